@@ -1,0 +1,31 @@
+"""fibjax.attention: paper A's attended sets and every attention path (public API).
+
+>>> from fibjax.attention import attended_distances, offset_attention
+>>> ds = attended_distances(window=12, base="fibonacci", alpha=1.0, seq_len=1024)
+"""
+
+from fibjax.attention.api import dense_attention, interpolated_attention, offset_attention
+from fibjax.attention.offsets import (
+    FIBONACCI_RUNGS,
+    alpha_schedule,
+    alpha_to_theta,
+    attended_distances,
+    base_rungs,
+    coprime_stride,
+    learned_rung_bases,
+    learned_rung_spec,
+)
+
+__all__ = [
+    "FIBONACCI_RUNGS",
+    "alpha_schedule",
+    "alpha_to_theta",
+    "attended_distances",
+    "base_rungs",
+    "coprime_stride",
+    "dense_attention",
+    "interpolated_attention",
+    "learned_rung_bases",
+    "learned_rung_spec",
+    "offset_attention",
+]

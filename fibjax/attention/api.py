@@ -1,0 +1,64 @@
+"""The public attention functions: argument checks, then the implementation.
+
+Layout: q [batch, seq, q_heads, head_dim]; k, v [batch, seq, kv_heads, head_dim] with
+q_heads % kv_heads == 0. RoPE is applied by the caller; the scale is 1/sqrt(head_dim); every
+path is causal; the output has q's shape and dtype; softmax statistics are float32. With
+``return_lse=True`` a path returns ``(out, lse)``, lse [batch, seq, q_heads] float32, the
+log-sum-exp of the scaled scores over the keys the query attended (-inf if none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+
+from fibjax.attention import offsets
+from fibjax.attention.common import check_qkv
+from fibjax.attention.dense import dense_attention_xla
+from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
+
+Array = jax.Array
+
+
+def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False):
+    """Plain causal attention: query i attends every key j <= i."""
+    check_qkv(q, k, v)
+    return dense_attention_xla(q, k, v, return_lse=return_lse)
+
+
+def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False):
+    """Static offset attention: query i attends keys i - d for d in ``distances`` (i >= d).
+
+    ``distances`` are Python ints known at trace time, usually from
+    :func:`fibjax.attention.attended_distances`.
+    """
+    check_qkv(q, k, v)
+    distances = _check_distances(distances)
+    return offset_attention_xla(q, k, v, distances=distances, return_lse=return_lse)
+
+
+def interpolated_attention(q: Array, k: Array, v: Array, *, window: int, base: offsets.Base, alpha, return_lse: bool = False):
+    """Learned-alpha attention: window {0..W} plus interpolated rungs at alpha * f.
+
+    ``alpha`` may be a traced scalar (it is differentiable, and changing it never recompiles:
+    the rung slots are fixed and masked). It must lie in [0.5, 1.5], the range a learned layer
+    reaches by construction (0.5 + sigmoid(theta)); a concrete value outside raises.
+    """
+    check_qkv(q, k, v)
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    offsets.base_rungs(base, q.shape[1])  # validates base
+    base = base if isinstance(base, str) else tuple(base)
+    if not isinstance(alpha, jax.core.Tracer):
+        a = float(alpha)
+        if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX:
+            raise ValueError(f"alpha must lie in [0.5, 1.5], got {a}")
+    return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
+
+
+def _check_distances(distances: Sequence[int]) -> tuple[int, ...]:
+    ds = tuple(distances)
+    if not ds or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in ds):
+        raise ValueError(f"distances must be a non-empty sequence of Python ints >= 0, got {distances!r}")
+    return tuple(sorted(set(ds)))

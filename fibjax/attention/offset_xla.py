@@ -1,0 +1,208 @@
+"""The offset paths (static and learned alpha) as XLA programs: the CPU default.
+
+Every query reads the same shifted rows of K/V, so nothing here is ever [T, T]:
+
+* the window {0..W} is a *band*: queries in blocks of C, each block against the C + W keys
+  that end at it, as one small batched matmul per block (then masked to the band);
+* every other attended distance is a *slot*: a shifted view x[i - d] of the whole sequence,
+  scored with a multiply-reduce over D. A learned rung is a slot whose shift lo is traced,
+  interpolated with its far neighbour: (1-frac) x[i-lo] + frac x[max(i-lo-1, 0)].
+
+Band and slot scores share one float32 softmax. The formulation was chosen by measurement
+over an index gather and over slots-only: BUILD_NOTES.md, "XLA formulation".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fibjax.attention import offsets
+from fibjax.attention.common import Array, finish, group_queries, masked_softmax, stats_dtype
+
+BAND_BLOCK = 32
+
+
+# --- shifted views ------------------------------------------------------------------------
+
+
+def _shift(x_BTKD: Array, d: int) -> Array:
+    """out[:, i] = x[:, i - d] for a static d; zeros where i < d (those entries are masked)."""
+    t = x_BTKD.shape[1]
+    if d == 0:
+        return x_BTKD
+    if d >= t:
+        return jnp.zeros_like(x_BTKD)
+    return jnp.pad(x_BTKD, ((0, 0), (d, 0), (0, 0), (0, 0)))[:, :t]
+
+
+@jax.custom_vjp
+def _shift_dynamic(x_BTKD: Array, d: Array) -> Array:
+    """``_shift`` by a traced d in [0, T-1]: one dynamic slice of a zero-padded copy."""
+    t = x_BTKD.shape[1]
+    padded = jnp.pad(x_BTKD, ((0, 0), (t, 0), (0, 0), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(padded, t - d, t, axis=1)
+
+
+def _shift_dynamic_fwd(x_BTKD, d):
+    return _shift_dynamic(x_BTKD, d), d
+
+
+def _shift_dynamic_bwd(d, g_BTKD):
+    # The transpose of "shift down by d" is "shift up by d", one more dynamic slice; XLA's own
+    # transpose (a scatter into a zero buffer twice the size) made the learned path 25% slower.
+    t = g_BTKD.shape[1]
+    padded = jnp.pad(g_BTKD, ((0, 0), (0, t), (0, 0), (0, 0)))
+    return jax.lax.dynamic_slice_in_dim(padded, d, t, axis=1), None
+
+
+_shift_dynamic.defvjp(_shift_dynamic_fwd, _shift_dynamic_bwd)
+
+
+def _edge_shift1(x_BTKD: Array) -> Array:
+    """out[:, i] = x[:, max(i - 1, 0)]: the far neighbour of an interpolated rung, clamped at 0."""
+    return jnp.concatenate([x_BTKD[:, :1], x_BTKD[:, :-1]], axis=1)
+
+
+# --- the band (window) ----------------------------------------------------------------------
+
+
+def _band_blocks(x_BTKD: Array, block: int, window: int) -> Array:
+    """[B,T,K,D] -> [B,N,W+C,K,D]: block n holds rows nC-W .. nC+C-1 (zeros before row 0)."""
+    b, t, kh, d = x_BTKD.shape
+    x_BNCKD = x_BTKD.reshape(b, t // block, block, kh, d)
+    tail_BNWKD = jnp.pad(x_BNCKD[:, :-1, block - window :], ((0, 0), (1, 0), (0, 0), (0, 0), (0, 0)))
+    return jnp.concatenate([tail_BNWKD, x_BNCKD], axis=2)
+
+
+def _band_valid(t: int, block: int, window: int) -> np.ndarray:
+    """valid[i, j] for query i and band column j (key i - i%C - W + j): 0 <= distance <= W, key >= 0."""
+    i = np.arange(t)[:, None]
+    key = i - i % block - window + np.arange(window + block)[None, :]
+    return (key >= 0) & (i - key >= 0) & (i - key <= window)
+
+
+def _band_scores(q_BTKGD: Array, k_BTKD: Array, block: int, window: int) -> Array:
+    b, t, kh, g, d = q_BTKGD.shape
+    q_BNCKGD = q_BTKGD.reshape(b, t // block, block, kh, g, d)
+    s = jnp.einsum("bnckgd,bnjkd->bnckgj", q_BNCKGD, _band_blocks(k_BTKD, block, window), preferred_element_type=stats_dtype(q_BTKGD))
+    return s.reshape(b, t, kh, g, window + block)
+
+
+def _band_values(p_BTKGJ: Array, v_BTKD: Array, block: int, window: int) -> Array:
+    b, t, kh, g, j = p_BTKGJ.shape
+    p_BNCKGJ = p_BTKGJ.reshape(b, t // block, block, kh, g, j)
+    o = jnp.einsum("bnckgj,bnjkd->bnckgd", p_BNCKGJ, _band_blocks(v_BTKD, block, window).astype(p_BTKGJ.dtype))
+    return o.reshape(b, t, kh, g, -1)
+
+
+# --- slots ------------------------------------------------------------------------------
+
+
+def _slot_scores(q_BTKGD: Array, k_BTKD: Array) -> Array:
+    return jnp.einsum("btkgd,btkd->btkg", q_BTKGD, k_BTKD, preferred_element_type=stats_dtype(q_BTKGD))
+
+
+def _slot_values(p_BTKG: Array, v_BTKD: Array) -> Array:
+    return jnp.einsum("btkg,btkd->btkgd", p_BTKG, v_BTKD.astype(p_BTKG.dtype))
+
+
+class Rungs(NamedTuple):
+    """Traced learned-rung slots: shift lo [R] int32, frac [R], active [R] bool."""
+
+    lo: Array
+    frac: Array
+    active: Array
+
+
+def learned_rungs(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> Rungs:
+    """The reference's skip rules, vectorised over a fixed number of rung slots.
+
+    A rung is active iff round(t) > W, lo > min(W, T-1) (not a window distance), lo <= T-1,
+    and no earlier active rung has the same lo (first wins). Checking duplicates against
+    earlier *candidates* is equivalent: a skipped candidate with that lo has an active
+    predecessor with the same lo.
+    """
+    dtype = stats_dtype(jnp.asarray(alpha))
+    t_R = jnp.asarray(alpha, dtype) * jnp.asarray(rungs, dtype)
+    lo_R = jnp.floor(t_R)
+    frac_R = t_R - lo_R  # d frac / d alpha = f: the gradient to alpha
+    lo_R = lo_R.astype(jnp.int32)
+    candidate_R = (jnp.round(t_R) > window) & (lo_R > min(window, seq_len - 1)) & (lo_R <= seq_len - 1)
+    n = len(rungs)
+    earlier_RR = np.arange(n)[None, :] < np.arange(n)[:, None]
+    dup_R = jnp.any(earlier_RR & candidate_R[None, :] & (lo_R[None, :] == lo_R[:, None]), axis=1)
+    return Rungs(jnp.clip(lo_R, 0, seq_len - 1), frac_R, candidate_R & ~dup_R)
+
+
+# --- the shared program --------------------------------------------------------------------
+
+
+def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool):
+    """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs``."""
+    block = BAND_BLOCK if window is None else max(BAND_BLOCK, -(-window // 8) * 8)
+    t_pad = -(-seq_len // block) * block
+    if t_pad != seq_len:  # padded queries are dropped; padded keys are later than every real query
+        pad = ((0, 0), (0, t_pad - seq_len), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    q_BTKGD = group_queries(q, k.shape[2])
+    pos_T = np.arange(t_pad)
+
+    scores, valid = [], []
+    if window is not None:
+        scores.append(_band_scores(q_BTKGD, k, block, window))
+        valid.append(jnp.asarray(_band_valid(t_pad, block, window)))
+    for d in distances:
+        scores.append(_slot_scores(q_BTKGD, _shift(k, d))[..., None])
+        valid.append(jnp.asarray(pos_T >= d)[:, None])
+    if rungs is not None:
+        k_far = _edge_shift1(k)
+        for lo, frac, active in zip(*rungs):
+            near = _slot_scores(q_BTKGD, _shift_dynamic(k, lo))
+            far = _slot_scores(q_BTKGD, _shift_dynamic(k_far, lo))
+            scores.append((near + frac * (far - near))[..., None])  # the score is linear in the key
+            valid.append(((pos_T >= lo) & active)[:, None])
+    if not scores:  # no distance is short enough for this length: every row is empty
+        scores, valid = [_slot_scores(q_BTKGD, k)[..., None]], [jnp.zeros((t_pad, 1), bool)]
+    p_BTKGS, lse_BTKG = masked_softmax(jnp.concatenate(scores, -1), jnp.concatenate(valid, -1)[None, :, None, None, :])
+
+    col, o_BTKGD = 0, jnp.zeros(q_BTKGD.shape, p_BTKGS.dtype)
+    if window is not None:
+        o_BTKGD += _band_values(p_BTKGS[..., : window + block], v, block, window)
+        col = window + block
+    for d in distances:
+        o_BTKGD += _slot_values(p_BTKGS[..., col], _shift(v, d))
+        col += 1
+    if rungs is not None:
+        v_far = _edge_shift1(v)
+        for lo, frac, _ in zip(*rungs):
+            p_BTKG = p_BTKGS[..., col]
+            o_BTKGD += _slot_values(p_BTKG * (1 - frac), _shift_dynamic(v, lo)) + _slot_values(p_BTKG * frac, _shift_dynamic(v_far, lo))
+            col += 1
+    return finish(o_BTKGD, lse_BTKG, q[:, :seq_len], return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("distances", "return_lse"))
+def offset_attention_xla(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False):
+    """Static path. ``distances``: sorted unique ints; a leading run 0..W becomes the band."""
+    t = q.shape[1]
+    usable = [d for d in distances if d < t]  # longer distances are never valid at this length
+    run = 0
+    while run < len(usable) and usable[run] == run:
+        run += 1
+    window = run - 1 if run else None
+    return _sparse_attention(q, k, v, window=window, distances=usable[run:], rungs=None, seq_len=t, return_lse=return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "base", "return_lse"))
+def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False):
+    """Learned path: band {0..W} plus one interpolated slot per rung that alpha in [0.5, 1.5] can activate."""
+    t = q.shape[1]
+    bases = offsets.learned_rung_bases(window=window, base=base, seq_len=t)
+    rungs = learned_rungs(alpha, bases, window=window, seq_len=t) if bases else None
+    return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse)

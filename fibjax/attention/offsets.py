@@ -1,0 +1,120 @@
+"""Paper A's attended set: rungs, per-layer alpha schedules, attended distances.
+
+Pure Python (no JAX), so every static pattern is known at trace time and can be checked
+against the paper by hand. Semantics follow the paper's "normative" section and its public
+reference code (see BUILD_NOTES.md, "Semantics"):
+
+* the window is the distances {0, 1, ..., W} (self included, so no query is ever empty);
+* a static rung lands at ``round(alpha * f)`` (Python ``round``: half to even) and is kept
+  only if ``W < d <= T - 1``;
+* the learned (interpolated) path keeps a fixed number of rung *slots* so that alpha can be
+  a traced value; :func:`learned_rung_bases` says which rungs can ever be active.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+FIBONACCI_RUNGS: tuple[int, ...] = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987)
+ALPHA_MIN, ALPHA_MAX = 0.5, 1.5
+SCHEDULES = ("fixed", "staggered", "coprime", "learned")
+
+Base = str | Sequence[int]
+
+
+def base_rungs(base: Base, seq_len: int) -> tuple[int, ...]:
+    """The rungs f_1..f_K of ``base`` for a model run at ``seq_len`` tokens.
+
+    ``"fibonacci"``: the paper's 15 rungs up to 987 (independent of ``seq_len``).
+    ``"pow2"``: reach-matched, every power of two <= seq_len - 1, so a longer evaluation
+    length adds rungs that training never saw (the paper's control).
+    A sequence of ints: used as given (positive integers).
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if isinstance(base, str):
+        if base == "fibonacci":
+            return FIBONACCI_RUNGS
+        if base == "pow2":
+            return tuple(1 << j for j in range(max(seq_len - 1, 1).bit_length()) if (1 << j) <= seq_len - 1)
+        raise ValueError(f"unknown base {base!r}: expected 'fibonacci', 'pow2' or a sequence of ints")
+    rungs = tuple(base)
+    if not rungs or any(not isinstance(f, int) or isinstance(f, bool) or f < 1 for f in rungs):
+        raise ValueError(f"an explicit base must be a non-empty sequence of positive ints, got {base!r}")
+    return rungs
+
+
+def coprime_stride(num_layers: int) -> int:
+    """Largest s in [2, L // 2] with gcd(s, L) = 1, or 1 (the linear order) when none exists."""
+    return next((s for s in range(num_layers // 2, 1, -1) if math.gcd(s, num_layers) == 1), 1)
+
+
+def alpha_schedule(kind: str, num_layers: int) -> tuple[float, ...]:
+    """Per-layer alpha for ``kind`` in fixed | staggered | coprime | learned (its initial values)."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if kind in ("fixed", "learned"):
+        return (1.0,) * num_layers
+    if kind not in ("staggered", "coprime"):
+        raise ValueError(f"unknown alpha schedule {kind!r}: expected one of {SCHEDULES}")
+    if num_layers == 1:
+        return (1.0,)
+    stride = coprime_stride(num_layers) if kind == "coprime" else 1
+    slots = [(stride * layer) % num_layers for layer in range(num_layers)]
+    return tuple(ALPHA_MIN + slot / (num_layers - 1) for slot in slots)
+
+
+def attended_distances(*, window: int, base: Base, alpha: float, seq_len: int) -> tuple[int, ...]:
+    """Sorted, unique distances of the static path: {0..W} U {round(alpha*f) : W < d <= T-1}."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    rungs = base_rungs(base, seq_len)
+    out = set(range(window + 1))
+    for f in rungs:
+        d = round(alpha * f)
+        if window < d <= seq_len - 1:
+            out.add(d)
+    return tuple(sorted(out))
+
+
+def learned_rung_bases(*, window: int, base: Base, seq_len: int) -> tuple[int, ...]:
+    """Rungs of the learned path that some alpha in [0.5, 1.5] can make active at ``seq_len``.
+
+    The learned path gives each of these a slot and masks the inactive ones at run time; rungs
+    outside this set can never be active (``round(1.5 f) <= W`` or ``floor(0.5 f) > T - 1``),
+    so dropping them is exact and saves work.
+    """
+    rungs = base_rungs(base, seq_len)
+    return tuple(
+        f for f in rungs if round(ALPHA_MAX * f) > window and math.floor(ALPHA_MIN * f) <= seq_len - 1
+    )
+
+
+def learned_rung_spec(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tuple[int, int, float]]:
+    """Host-side (rung, lo, frac) of each active learned rung, in rung order: the reference's rule.
+
+    t = alpha*f, lo = floor(t), frac = t - lo; a rung is skipped if round(t) <= W, if lo > T-1,
+    or if lo is already used (by the window {0..min(W, T-1)} or an earlier rung: first wins).
+    Used by tests and by the decode cache sizing; the traced version lives in ``xla.py``.
+    """
+    used = set(range(min(window, seq_len - 1) + 1))
+    spec = []
+    for f in base_rungs(base, seq_len):
+        t = alpha * f
+        lo = math.floor(t)
+        if round(t) <= window or lo > seq_len - 1 or lo in used:
+            continue
+        used.add(lo)
+        spec.append((f, lo, t - lo))
+    return spec
+
+
+def alpha_to_theta(alpha: float, margin: float = 0.05) -> float:
+    """theta with 0.5 + sigmoid(theta) = alpha, alpha first pulled into [0.5+margin, 1.5-margin].
+
+    sigmoid never reaches 0 or 1, so a learned layer cannot start exactly at 0.5 or 1.5; the
+    pull (default 0.05) matches the 0.55-1.45 span the paper reports for staggered-init runs.
+    """
+    a = min(max(alpha, ALPHA_MIN + margin), ALPHA_MAX - margin) - ALPHA_MIN
+    return math.log(a / (1.0 - a))

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``python -m launch.bench``: side-by-side timings in one process."""

@@ -1,0 +1,246 @@
+"""Typed, validated configuration: frozen dataclasses, ``key=value`` overrides, JSON I/O.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` naming
+the field; overrides name the full dotted path. Config files under ``configs/`` are Python
+modules with ``get_config() -> Config``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fibjax.attention import offsets
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the field."""
+
+
+def _require(ok: bool, name: str, message: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention of every layer. ``kind``: dense | offset (paper A) | block_sparse (paper B)."""
+
+    kind: str = "dense"
+    window: int = 12
+    base: str | tuple[int, ...] = "fibonacci"
+    # fixed | staggered | coprime | learned, or one alpha per layer
+    alpha: str | tuple[float, ...] = "fixed"
+    # learn alpha starting from the schedule above ("learned" alone starts every layer at 1.0)
+    learn_alpha: bool = False
+    block_size: int = 16
+    num_blocks: int = 16
+    # None picks the best implementation for the backend; "xla" or "pallas" forces one
+    implementation: str | None = None
+
+    def __post_init__(self):
+        _require(self.kind in ("dense", "offset", "block_sparse"), "kind", "must be dense, offset or block_sparse", self.kind)
+        _require(self.window >= 0, "window", "must be >= 0", self.window)
+        if isinstance(self.base, str):
+            _require(self.base in ("fibonacci", "pow2"), "base", "must be fibonacci, pow2 or a tuple of ints", self.base)
+        else:
+            _require(len(self.base) > 0 and all(isinstance(f, int) and f >= 1 for f in self.base), "base", "an explicit base must be positive ints", self.base)
+        if isinstance(self.alpha, str):
+            _require(self.alpha in offsets.SCHEDULES, "alpha", f"must be one of {offsets.SCHEDULES} or a tuple of floats", self.alpha)
+        else:
+            bad = [a for a in self.alpha if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX]
+            _require(len(self.alpha) > 0 and not bad, "alpha", "explicit alphas must lie in [0.5, 1.5]", self.alpha)
+        _require(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
+        _require(self.num_blocks >= 1, "num_blocks", "must be >= 1", self.num_blocks)
+        _require(self.implementation in (None, "xla", "pallas"), "implementation", "must be None, xla or pallas", self.implementation)
+
+    @property
+    def is_learned(self) -> bool:
+        return self.kind == "offset" and (self.alpha == "learned" or self.learn_alpha)
+
+    def layer_alphas(self, num_layers: int) -> tuple[float, ...]:
+        """Alpha of every layer (the initial values when learned)."""
+        if isinstance(self.alpha, str):
+            return offsets.alpha_schedule(self.alpha, num_layers)
+        _require(len(self.alpha) == num_layers, "alpha", f"needs one value per layer ({num_layers})", self.alpha)
+        return tuple(float(a) for a in self.alpha)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder-only LM. 0 for head_dim / mlp_hidden means "derive from d_model"."""
+
+    vocab_size: int = 32768
+    d_model: int = 512
+    num_layers: int = 16
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 0
+    mlp_hidden: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: bool = False
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+            _require(getattr(self, name) >= 1, name, "must be >= 1", getattr(self, name))
+        _require(self.num_heads % self.num_kv_heads == 0, "num_heads", f"must be divisible by num_kv_heads ({self.num_kv_heads})", self.num_heads)
+        _require(self.head_dim >= 0 and self.mlp_hidden >= 0, "head_dim/mlp_hidden", "must be >= 0", (self.head_dim, self.mlp_hidden))
+        if self.head_dim == 0:
+            _require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads ({self.num_heads}) unless head_dim is set", self.d_model)
+        _require(self.resolved_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)", self.resolved_head_dim)
+        _require(self.rope_theta > 0, "rope_theta", "must be > 0", self.rope_theta)
+        for name in ("dtype", "param_dtype"):
+            _require(getattr(self, name) in ("float32", "bfloat16"), name, "must be float32 or bfloat16", getattr(self, name))
+        if not isinstance(self.attention.alpha, str):
+            self.attention.layer_alphas(self.num_layers)  # explicit alphas: one per layer
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def resolved_mlp_hidden(self) -> int:
+        """SwiGLU hidden size: int(d_model * 8/3) rounded up to even (the reference's rule)."""
+        return self.mlp_hidden or (int(self.d_model * 8 / 3) + 1) // 2 * 2
+
+
+# ---------------------------------------------------------------------------------------
+# Generic machinery: overrides, dict/JSON round trip, loading config files.
+
+
+def _type_hints(cls) -> dict[str, typing.Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value, tp, path: str):
+    """Convert a parsed literal to annotation ``tp`` or raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} matches none of {tp}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{path}: expected None, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"{path}: expected a tuple, got {value!r}")
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, path) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return from_dict(tp, value, path)
+        raise ConfigError(f"{path}: expected a {tp.__name__} mapping, got {value!r}")
+    raise ConfigError(f"{path}: unsupported annotation {tp}")
+
+
+def _parse_literal(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word is a string
+
+
+def from_dict(cls, data: dict, path: str = ""):
+    """Build dataclass ``cls`` from a (nested) dict; unknown keys are errors naming them."""
+    hints = _type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{path or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{path + '.' if path else ''}{e}") from None
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Apply ``a.b.c=value`` strings; values are Python literals or bare words (strings)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, text = item.split("=", 1)
+        cfg = _replace_path(cfg, key.strip().split("."), _parse_literal(text), key.strip())
+    return cfg
+
+
+def _replace_path(node, keys: list[str], value, full: str):
+    names = {f.name for f in dataclasses.fields(node)}
+    head = keys[0]
+    if head not in names:
+        raise ConfigError(f"{full}: unknown key {head!r} in {type(node).__name__}; known: {sorted(names)}")
+    if len(keys) > 1:
+        child = getattr(node, head)
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(f"{full}: {head!r} is a value, not a section")
+        value = _replace_path(child, keys[1:], value, full)
+    else:
+        value = _coerce(value, _type_hints(type(node))[head], full)
+    try:
+        return dataclasses.replace(node, **{head: value})
+    except ConfigError as e:
+        raise ConfigError(f"{full}: {e}") from None
+
+
+def save_json(cfg, path: Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+
+
+def load_json(cls, path: Path):
+    return from_dict(cls, json.loads(Path(path).read_text()))
+
+
+def load_config_file(path: str | Path):
+    """Import a Python config file and return its ``get_config()``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"fibjax_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {str(path)!r} defines no get_config()")
+    return module.get_config()

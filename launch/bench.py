@@ -1,0 +1,60 @@
+"""Benchmarks: ``python -m launch.bench attention [--seq 1024,4096,16384] ...``.
+
+Prints a Markdown table of median times and XLA peak memory, then the ratios measured side
+by side in this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fibjax.bench import attention as attn_bench
+
+    parser = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("attention", help="attention paths, forward and forward+backward")
+    p.add_argument("--seq", type=_ints, default=[1024, 4096, 16384])
+    p.add_argument("--paths", default=",".join(attn_bench.PATHS), help=f"comma list of {list(attn_bench.PATHS)}")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=3)
+    p = sub.add_parser("formulations", help="the XLA formulations of the static path we chose between")
+    p.add_argument("--seq", type=_ints, default=[1024, 4096])
+    p.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.what == "formulations":
+        from fibjax.bench import formulations
+
+        print(f"backend={jax.default_backend()} batch=1 heads=8 kv_heads=8 head_dim=64 float32 repeats={args.repeats}")
+        print(formulations.run(args.seq, args.repeats))
+        return 0
+
+    paths = [x for x in args.paths.split(",") if x]
+    unknown = sorted(set(paths) - set(attn_bench.PATHS))
+    if unknown:
+        parser.error(f"unknown path(s) {unknown}; known: {list(attn_bench.PATHS)}")
+    print(f"backend={jax.default_backend()} devices={jax.devices()} dtype={args.dtype} batch={args.batch} "
+          f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats}", flush=True)
+    rows = []
+    for seq in args.seq:
+        case = attn_bench.Case(seq_len=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+        rows.append((case, attn_bench.run(case, paths, args.repeats)))
+        print(f"seq {seq} done", file=sys.stderr, flush=True)
+    print(attn_bench.table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Small, obviously correct references: dense [T, T] masks and materialised rung keys.
+
+Nothing here is fast; everything here is easy to check by eye against the paper's definitions.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fibjax.attention import offsets
+
+
+def _wide(x):
+    """float32, or float64 when a test enables x64 (for finite differences)."""
+    return x.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+# Forward / gradient tolerances per input dtype (atol, rtol), against this oracle in float32.
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+GRAD_TOL = {jnp.float32: dict(atol=1e-4, rtol=1e-4), jnp.bfloat16: dict(atol=8e-2, rtol=8e-2)}
+
+
+def distance_mask(t: int, distances) -> np.ndarray:
+    """allowed[i, j] = (i - j) in distances and j <= i."""
+    diff = np.arange(t)[:, None] - np.arange(t)[None, :]
+    return np.isin(diff, list(distances)) & (diff >= 0)
+
+
+def masked_attention(q, k, v, allowed_TT):
+    """Softmax attention restricted to allowed[i, j]; GQA by repeating K/V heads."""
+    h, kh = q.shape[2], k.shape[2]
+    k = jnp.repeat(_wide(k), h // kh, axis=2)
+    v = jnp.repeat(_wide(v), h // kh, axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", _wide(q), k, precision="highest") / math.sqrt(q.shape[-1])
+    s = jnp.where(allowed_TT, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("bhij,bjhd->bihd", p, v, precision="highest")
+    return out, jnp.transpose(lse, (0, 2, 1))
+
+
+def learned_attention(q, k, v, *, window, base, alpha, alpha_value=None):
+    """The reference's materialised learned path: one interpolated key/value per rung.
+
+    The active rung set is computed on the host from ``alpha_value`` (default ``alpha``, which
+    may then be traced for gradients); lo is a host constant and frac = alpha*f - lo stays
+    differentiable in alpha, as in the reference.
+    """
+    alpha_value = float(alpha if alpha_value is None else alpha_value)
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    k = jnp.repeat(_wide(k), h // kh, axis=2)
+    v = jnp.repeat(_wide(v), h // kh, axis=2)
+    pos = np.arange(t)
+    cols_k, cols_v, valid_from = [], [], []
+    for dist in range(min(window, t - 1) + 1):
+        idx = np.maximum(pos - dist, 0)
+        cols_k.append(k[:, idx])
+        cols_v.append(v[:, idx])
+        valid_from.append(dist)
+    for f, lo, _ in offsets.learned_rung_spec(window=window, base=base, alpha=alpha_value, seq_len=t):
+        frac = alpha * f - lo
+        near, far = np.maximum(pos - lo, 0), np.maximum(pos - lo - 1, 0)
+        cols_k.append((1 - frac) * k[:, near] + frac * k[:, far])
+        cols_v.append((1 - frac) * v[:, near] + frac * v[:, far])
+        valid_from.append(lo)
+    kc, vc = jnp.stack(cols_k, 2), jnp.stack(cols_v, 2)  # [B, T, C, H, D]
+    s = jnp.einsum("bthd,btchd->bthc", _wide(q), kc, precision="highest") / math.sqrt(d)
+    valid = pos[:, None] >= np.asarray(valid_from)[None, :]
+    s = jnp.where(valid[None, :, None, :], s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    return jnp.einsum("bthc,btchd->bthd", p, vc, precision="highest"), lse
+
+
+def random_qkv(key, b, t, h, kh, d, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (
+        jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(dtype),
+        jax.random.normal(kk, (b, t, kh, d), jnp.float32).astype(dtype),
+        jax.random.normal(kv, (b, t, kh, d), jnp.float32).astype(dtype),
+    )

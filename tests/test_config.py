@@ -1,0 +1,73 @@
+"""Config validation, overrides and round trips: bad values raise errors naming the field."""
+
+import pytest
+
+from fibjax.config import AttentionConfig, ConfigError, ModelConfig, apply_overrides, from_dict, to_dict
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(window=-1), "window"),
+        (dict(kind="sparse"), "kind"),
+        (dict(base="fib"), "base"),
+        (dict(base=(0, 3)), "base"),
+        (dict(alpha="linear"), "alpha"),
+        (dict(alpha=(0.4, 1.0)), "alpha"),
+        (dict(alpha=(1.0, 1.6)), "alpha"),
+        (dict(implementation="cuda"), "implementation"),
+    ],
+)
+def test_attention_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        AttentionConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_heads=8, num_kv_heads=3), "num_heads"),
+        (dict(d_model=100, num_heads=8), "d_model"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(dtype="float16"), "dtype"),
+        (dict(num_layers=4, attention=AttentionConfig(kind="offset", alpha=(1.0, 1.0))), "alpha"),
+    ],
+)
+def test_model_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**kwargs)
+
+
+def test_overrides_parse_types_and_name_bad_keys():
+    cfg = ModelConfig()
+    cfg = apply_overrides(cfg, ["attention.kind=offset", "attention.window=8", "attention.alpha=staggered", "d_model=256", "remat=true"])
+    assert cfg.attention.kind == "offset" and cfg.attention.window == 8 and cfg.attention.alpha == "staggered"
+    assert cfg.d_model == 256 and cfg.remat is True
+    cfg = apply_overrides(cfg, ["attention.base=(1,2,4)", "num_layers=2", "attention.alpha=(0.5,1.5)", "rope_theta=5e5"])
+    assert cfg.attention.base == (1, 2, 4) and cfg.attention.alpha == (0.5, 1.5) and cfg.rope_theta == 500000.0
+    with pytest.raises(ConfigError, match="attention.windw"):
+        apply_overrides(cfg, ["attention.windw=3"])
+    with pytest.raises(ConfigError, match="attention.window"):
+        apply_overrides(cfg, ["attention.window=-2"])
+    with pytest.raises(ConfigError, match="num_layers"):
+        apply_overrides(cfg, ["num_layers=many"])
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_overrides(cfg, ["num_layers"])
+
+
+def test_dict_round_trip_and_unknown_keys():
+    cfg = ModelConfig(attention=AttentionConfig(kind="offset", base=(1, 3), alpha="coprime", learn_alpha=True))
+    assert from_dict(ModelConfig, to_dict(cfg)) == cfg
+    d = to_dict(cfg)
+    d["attention"]["colour"] = "red"
+    with pytest.raises(ConfigError, match="colour"):
+        from_dict(ModelConfig, d)
+
+
+def test_derived_sizes():
+    cfg = ModelConfig()
+    assert cfg.resolved_head_dim == 64 and cfg.resolved_mlp_hidden == 1366
+    assert AttentionConfig(kind="offset", alpha="staggered").layer_alphas(3) == (0.5, 1.0, 1.5)
+    assert AttentionConfig(kind="offset", alpha="learned").is_learned
+    assert AttentionConfig(kind="offset", alpha="staggered", learn_alpha=True).is_learned
+    assert not AttentionConfig(kind="dense", learn_alpha=True).is_learned

@@ -1,0 +1,100 @@
+"""The LM: shapes, parameter count, per-layer attention, any length, learned alpha."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fibjax.attention import attended_distances
+from fibjax.config import AttentionConfig, ModelConfig
+from fibjax.model import Transformer, count_params, rope
+
+
+def tiny(**attention) -> ModelConfig:
+    return ModelConfig(vocab_size=97, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, attention=AttentionConfig(**attention))
+
+
+def test_paper_model_has_the_papers_parameter_count():
+    cfg = ModelConfig()  # the paper's recipe is the default
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    total = count_params(model)
+    non_embedding = total - cfg.vocab_size * cfg.d_model
+    assert round(total / 1e6, 1) == 60.9 and round(non_embedding / 1e6, 1) == 44.1
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [dict(kind="dense"), dict(kind="offset", alpha="staggered", window=4), dict(kind="offset", alpha="coprime", base="pow2", window=2),
+     dict(kind="offset", alpha="learned", window=3), dict(kind="offset", alpha="staggered", learn_alpha=True, window=3)],
+)
+def test_forward_at_1x_and_4x_length(attention):
+    model = Transformer(tiny(**attention), rngs=nnx.Rngs(0))
+    for t in (64, 256):
+        logits = nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, t), jnp.int32))
+        assert logits.shape == (2, t, 97) and logits.dtype == jnp.float32
+        assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_forward_at_4096_tokens():
+    cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      attention=AttentionConfig(kind="offset", alpha="staggered", base="pow2", window=8))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    logits = nnx.jit(lambda m, x: m(x))(model, jnp.zeros((1, 4096), jnp.int32))
+    assert logits.shape == (1, 4096, 256) and np.all(np.isfinite(np.asarray(logits)))
+
+
+def test_layers_get_their_schedule_and_learned_layers_own_theta():
+    model = Transformer(tiny(kind="offset", alpha="staggered", window=4), rngs=nnx.Rngs(0))
+    assert model.alphas() == [0.5, 1.0, 1.5]
+    assert not any("theta" in str(p) for p in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0])
+    learned = Transformer(tiny(kind="offset", alpha="staggered", learn_alpha=True, window=4), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose([float(a) for a in learned.alphas()], [0.55, 1.0, 1.45], rtol=1e-6)
+    thetas = [b.attn.theta for b in learned.blocks]
+    assert all(isinstance(t, nnx.Param) and t[...].shape == () for t in thetas)
+
+
+def test_learned_model_gets_gradient_to_theta_at_alpha_one():
+    model = Transformer(tiny(kind="offset", alpha="learned", window=2), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 97)
+
+    def loss(m):
+        logits = m(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    grads = nnx.grad(loss)(model)
+    assert all(abs(float(grads["blocks"][i]["attn"]["theta"][...])) > 0 for i in range(3))
+
+
+def test_static_layer_uses_the_attended_set_at_run_length():
+    """pow2 rungs follow the run length: one layer run at T=256 attends distance 128."""
+    cfg = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      attention=AttentionConfig(kind="offset", base="pow2", window=2))
+    assert 128 in attended_distances(window=2, base="pow2", alpha=1.0, seq_len=256)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.randint(jax.random.PRNGKey(1), (1, 256), 0, 97)
+    y = x.at[:, 0].set((x[:, 0] + 1) % 97)
+    out_x, out_y = model(x), model(y)
+    assert not np.allclose(out_x[:, 128], out_y[:, 128])  # distance 128 is attended
+    np.testing.assert_array_equal(np.asarray(out_x[:, 127]), np.asarray(out_y[:, 127]))  # 127 is not
+    np.testing.assert_array_equal(np.asarray(out_x[:, 129]), np.asarray(out_y[:, 129]))  # nor 129
+
+
+def test_rope_is_a_rotation_and_relative():
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 16))
+    pos = jnp.arange(8)[None]
+    r = rope(x, pos, 1e4)
+    np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    q, k = jax.random.normal(jax.random.PRNGKey(1), (2, 1, 1, 1, 16))
+    dot = lambda i, j: float(jnp.sum(rope(q, jnp.array([[i]]), 1e4) * rope(k, jnp.array([[j]]), 1e4)))  # noqa: E731
+    np.testing.assert_allclose(dot(5, 2), dot(105, 102), rtol=1e-4)
+
+
+def test_bf16_compute_runs_and_stays_close_to_fp32():
+    cfg = tiny(kind="offset", alpha="staggered", window=3)
+    m32 = Transformer(cfg, rngs=nnx.Rngs(0))
+    m16 = Transformer(ModelConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), rngs=nnx.Rngs(0))
+    x = jax.random.randint(jax.random.PRNGKey(2), (2, 64), 0, 97)
+    a, b = m32(x), m16(x)
+    assert b.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.15)
