@@ -114,6 +114,130 @@ class ModelConfig:
         return self.mlp_hidden or (int(self.d_model * 8 / 3) + 1) // 2 * 2
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data. ``path``: a directory written by ``python -m launch.prepare_data``;
+    empty means the embedded default corpus (prepared into ``<workdir>/data`` on first use)."""
+
+    path: str = ""
+    # "fineweb=0.35,wikipedia=0.22,..." sampling weights by source name; "" = proportional to tokens
+    weights: str = ""
+    # vocabulary of the tokenizer trained for the embedded default corpus
+    default_vocab_size: int = 2048
+    # Grain read threads per process (0 = read in the main thread)
+    worker_count: int = 0
+
+    def __post_init__(self):
+        _require(self.default_vocab_size >= 259, "default_vocab_size", "must be >= 259 (256 byte pieces + specials)", self.default_vocab_size)
+        _require(self.worker_count >= 0, "worker_count", "must be >= 0", self.worker_count)
+        parse_weights(self.weights)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """"a=0.6,b=0.4" -> {"a": 0.6, "b": 0.4}; raises ConfigError naming ``data.weights``."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = -1.0
+        _require(bool(sep) and bool(name) and w > 0, "weights", "expected name=positive_number pairs separated by commas", text)
+        out[name.strip()] = w
+    return out
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay (the paper's recipe by default).
+
+    Weight decay applies to matrices (ndim >= 2) only: not to norms or the learned alpha
+    scalars (as in the reference); the alpha scalars get ``alpha_lr_multiplier`` x the lr."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 300
+    final_lr_ratio: float = 0.1  # cosine decays to this fraction of lr (the reference's 10%)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+    alpha_lr_multiplier: float = 1.0
+
+    def __post_init__(self):
+        _require(self.lr > 0, "lr", "must be > 0", self.lr)
+        _require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0", self.warmup_steps)
+        _require(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", "must lie in [0, 1]", self.final_lr_ratio)
+        _require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, "b1/b2", "must lie in [0, 1)", (self.b1, self.b2))
+        _require(self.weight_decay >= 0, "weight_decay", "must be >= 0", self.weight_decay)
+        _require(self.clip_norm > 0, "clip_norm", "must be > 0", self.clip_norm)
+        _require(self.alpha_lr_multiplier >= 0, "alpha_lr_multiplier", "must be >= 0", self.alpha_lr_multiplier)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes; -1 fills with the devices left over (at most one axis may be -1)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        _require(all(s == -1 or s >= 1 for s in sizes), "mesh", "axis sizes must be >= 1 or -1", sizes)
+        _require(sizes.count(-1) <= 1, "mesh", "at most one axis may be -1", sizes)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every_steps: int = 500
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self):
+        _require(self.every_steps >= 1, "every_steps", "must be >= 1", self.every_steps)
+        _require(self.keep >= 1, "keep", "must be >= 1", self.keep)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The extrapolation evaluation run at the end of training (and by ``launch.eval``)."""
+
+    at_end: bool = True
+    length_multipliers: tuple[int, ...] = (1, 2, 4)
+    # validation tokens scored per dataset at every length (cut to a multiple of the longest length)
+    max_tokens: int = 65536
+    batch_size: int = 4
+
+    def __post_init__(self):
+        _require(len(self.length_multipliers) > 0 and all(m >= 1 for m in self.length_multipliers), "length_multipliers", "must be ints >= 1", self.length_multipliers)
+        _require(self.max_tokens >= 1 and self.batch_size >= 1, "max_tokens/batch_size", "must be >= 1", (self.max_tokens, self.batch_size))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run needs; saved as ``<workdir>/config.json``."""
+
+    name: str = "run"
+    seed: int = 42
+    steps: int = 1000
+    seq_len: int = 256
+    global_batch: int = 16
+    log_every: int = 10
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        _require(self.steps >= 1, "steps", "must be >= 1", self.steps)
+        _require(self.seq_len >= 2, "seq_len", "must be >= 2", self.seq_len)
+        _require(self.global_batch >= 1, "global_batch", "must be >= 1", self.global_batch)
+        _require(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)
+
+
 # ---------------------------------------------------------------------------------------
 # Generic machinery: overrides, dict/JSON round trip, loading config files.
 
