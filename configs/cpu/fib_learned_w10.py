@@ -1,0 +1,7 @@
+"""Paper A run matrix: fib_learned_w10 at CPU size."""
+
+from fibjax.recipes import cpu
+
+
+def get_config():
+    return cpu("fib_learned_w10")

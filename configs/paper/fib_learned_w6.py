@@ -1,0 +1,7 @@
+"""Paper A run matrix: fib_learned_w6 at the paper's size and recipe."""
+
+from fibjax.recipes import paper
+
+
+def get_config():
+    return paper("fib_learned_w6")

@@ -1,0 +1,53 @@
+"""The paper's run matrix as named recipes: ``paper("fib_stagger_w12")``, ``cpu("dense")``.
+
+A name is ``dense`` or ``{fib|pow2}_{fixed|learned|stagger|coprime}_w{W}``. ``paper`` is the
+paper's recipe (60.9M parameters, seq 1024, 13,000 steps of 32 x 1024 tokens, bf16); ``cpu``
+is a family of the same names sized for studies on a 2-core CPU (d_model 128, 8 layers,
+seq 256). Config files under ``configs/`` each name one of these.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fibjax.config import AttentionConfig, CheckpointConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+WINDOWS = (6, 8, 10, 12)
+VARIANTS = ("fib_fixed", "fib_learned", "fib_stagger", "fib_coprime", "pow2_stagger")
+# 4 windows x 5 variants + pow2 fixed at W=8 = the paper's 21 sparse models, plus dense
+MATRIX = tuple(f"{v}_w{w}" for w in WINDOWS for v in VARIANTS) + ("pow2_fixed_w8", "dense")
+PAPER_MIXTURE = "fineweb_edu=0.35,wikipedia=0.22,tinystories=0.20,math=0.23"
+_SCHEDULES = {"fixed": "fixed", "learned": "learned", "stagger": "staggered", "coprime": "coprime"}
+
+
+def attention(name: str) -> AttentionConfig:
+    if name == "dense":
+        return AttentionConfig(kind="dense")
+    m = re.fullmatch(r"(fib|pow2)_(fixed|learned|stagger|coprime)_w(\d+)", name)
+    if not m:
+        raise ConfigError(f"unknown model name {name!r}: expected 'dense' or {{fib|pow2}}_{{fixed|learned|stagger|coprime}}_w<W>")
+    base = "fibonacci" if m[1] == "fib" else "pow2"
+    return AttentionConfig(kind="offset", base=base, window=int(m[3]), alpha=_SCHEDULES[m[2]])
+
+
+def paper(name: str) -> TrainConfig:
+    """The paper's recipe; data: a prepared mixture in data/paper (see README, "Real data")."""
+    return TrainConfig(
+        name=name, seed=42, steps=13_000, seq_len=1024, global_batch=32, log_every=50,
+        model=ModelConfig(vocab_size=32768, d_model=512, num_layers=16, num_heads=8, num_kv_heads=2, rope_theta=1e4,
+                          dtype="bfloat16", attention=attention(name)),
+        data=DataConfig(path="data/paper", weights=PAPER_MIXTURE),
+        optim=OptimConfig(lr=3e-4, warmup_steps=300, weight_decay=0.1, clip_norm=1.0),
+        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
+    )
+
+
+def cpu(name: str) -> TrainConfig:
+    """The same model names at CPU size; data: data/cpu from ../shared/data (README, "Real data")."""
+    return TrainConfig(
+        name=f"cpu_{name}", seed=42, steps=1000, seq_len=256, global_batch=16, log_every=10,
+        model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention(name)),
+        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
+        optim=OptimConfig(lr=1e-3, warmup_steps=100),
+        checkpoint=CheckpointConfig(every_steps=250, keep=2),
+    )

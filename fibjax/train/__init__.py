@@ -1,0 +1,1 @@
+"""Training: optimizer, sharding, checkpointing, the step and the loop."""

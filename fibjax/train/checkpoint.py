@@ -1,0 +1,122 @@
+"""Checkpoints (the only module that imports Orbax): train state + data-iterator state.
+
+Orbax writes each step into a temporary directory and renames it when complete, so a save
+interrupted half-way never touches the previous checkpoint; keep-last-K deletes only older,
+finished steps. The run's resolved config sits beside the steps (``config.json``) and is
+compared on every resume.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grain
+import orbax.checkpoint as ocp
+
+from fibjax.config import CheckpointConfig, TrainConfig, from_dict, to_dict
+
+CONFIG_FILE = "config.json"
+# Fields a resumed run may change: how long and how often, not what is trained.
+RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or workdir cannot be used; the message says why and what to do."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def config_differences(saved: TrainConfig, current: TrainConfig) -> list[str]:
+    """Fields that differ and may not change on resume, as 'field: saved -> current'."""
+    a, b = _flatten(to_dict(saved)), _flatten(to_dict(current))
+    allowed = lambda key: any(key == f or key.startswith(f + ".") for f in RESUMABLE_CHANGES)  # noqa: E731
+    return [f"{k}: {a.get(k)!r} (saved) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not allowed(k)]
+
+
+def claim_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
+    """Record ``cfg`` in a new workdir, or check it against the run already there.
+
+    Returns the saved config when resuming (None for a new run). Raises CheckpointError,
+    writing nothing, when the workdir holds a different run.
+    """
+    path = Path(workdir) / CONFIG_FILE
+    if path.exists():
+        try:
+            saved = from_dict(TrainConfig, json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{path} is not a fibjax run config ({e}); use another --workdir") from None
+        diff = config_differences(saved, cfg)
+        if diff:
+            raise CheckpointError(
+                f"workdir {workdir} holds a run with a different config; nothing was changed. Differences:\n  "
+                + "\n  ".join(diff) + "\nUse a new --workdir, or the same config to resume."
+            )
+        path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")  # steps etc. may have changed
+        return saved
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    if any(Path(workdir).iterdir()):
+        raise CheckpointError(f"workdir {workdir} is not empty and holds no fibjax run ({CONFIG_FILE} missing); use another --workdir")
+    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    return None
+
+
+def load_run_config(workdir: Path) -> TrainConfig:
+    path = Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise CheckpointError(f"{workdir} holds no fibjax run ({CONFIG_FILE} missing)")
+    return from_dict(TrainConfig, json.loads(path.read_text()))
+
+
+class Checkpointer:
+    """Save / restore {state, data iterator} under ``<workdir>/checkpoints``."""
+
+    def __init__(self, workdir: Path, cfg: CheckpointConfig):
+        self.directory = Path(workdir).resolve() / "checkpoints"
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_iterator=None, *, wait: bool = False) -> None:
+        items = {"state": ocp.args.StandardSave(state)}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if wait:
+            self.manager.wait_until_finished()
+
+    def restore(self, step: int, abstract_state, data_iterator=None):
+        """Restore ``step`` into arrays shaped and sharded like ``abstract_state``."""
+        if step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {self.all_steps()}")
+        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # Orbax raises many types for damaged files
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). "
+                f"Other steps: {[s for s in self.all_steps() if s != step]}. Nothing was deleted; move the damaged "
+                f"step directory aside to resume from an earlier one."
+            ) from e
+        return restored["state"]
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()

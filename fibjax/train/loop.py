@@ -1,0 +1,167 @@
+"""The training loop: data, sharded state, resume, metrics, checkpoints, preemption.
+
+``train(cfg, workdir)`` is the whole run; ``launch.train`` only parses arguments. Metrics of
+step N are read after step N+1 is dispatched (no host stall per step); a checkpoint is written
+only after the metrics of the update that produced it were checked finite, so a NaN never
+reaches disk.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from fibjax import distributed
+from fibjax.config import ConfigError, TrainConfig, parse_weights
+from fibjax.data import pipeline, prepare
+from fibjax.train import sharding
+from fibjax.train.checkpoint import Checkpointer, claim_workdir
+from fibjax.train.metrics import MetricsWriter
+from fibjax.train.optimizer import lr_schedule
+from fibjax.train.step import build
+
+# Test-only fault injection: SIGKILL this process right after the checkpoint of this step is
+# on disk, to test exact resume after a crash deterministically.
+_FAULT_ENV = "FIBJAX_FAULT_AFTER_SAVE"
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+@dataclass
+class RunResult:
+    final_step: int
+    preempted: bool
+    data_dir: Path
+    losses: list[float] = field(default_factory=list)
+
+
+def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
+    """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    return prepare.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
+
+
+def check_vocab(cfg: TrainConfig, data_dir: Path) -> None:
+    vocab = pipeline.load_meta(data_dir)["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
+
+
+class _Preemption:
+    """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def agreed(self) -> bool:
+        """True on every process if any process was asked to stop (all must save together)."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
+
+
+def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> RunResult:
+    distributed.initialize()
+    workdir = Path(workdir)
+    claim_workdir(workdir, cfg)
+    data_dir = resolve_data_dir(cfg, workdir)
+    check_vocab(cfg, data_dir)
+    if cfg.global_batch % jax.process_count():
+        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by the {jax.process_count()} processes")
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.global_batch % batch_shards:
+        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
+    trainer = build(cfg, mesh)
+    data_iter = pipeline.train_iterator(
+        data_dir, parse_weights(cfg.data.weights), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(), worker_count=cfg.data.worker_count,
+    )
+    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    start = ckpt.latest_step() or 0
+    state = ckpt.restore(start, trainer.abstract_state, data_iter) if start else trainer.init()
+    writer = MetricsWriter(workdir, resume_step=start)
+    schedule = lr_schedule(cfg.optim, cfg.steps)
+    fault_step = int(os.environ.get(_FAULT_ENV, "0"))
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    result = RunResult(final_step=start, preempted=False, data_dir=data_dir)
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
+    if start and distributed.is_main():
+        tqdm.write(f"resuming {workdir} from step {start}")
+    pending, last_time, rates = None, time.perf_counter(), []
+
+    def flush(pending):
+        step, metrics = pending
+        m = jax.device_get(metrics)
+        loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            saved = ckpt.latest_step()
+            raise NonFiniteLoss(
+                f"loss {loss} / grad norm {grad_norm} at step {step}: the run is stopped. "
+                f"Last good checkpoint: {f'step {saved}' if saved else 'none'} in {ckpt.directory} (untouched)."
+            )
+        scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(schedule(step - 1)), **{f"alpha/{k}": float(v) for k, v in m["alphas"].items()}}
+        if rates:
+            scalars["tokens_per_s"] = tokens_per_step / float(np.median(rates[-20:]))
+        writer.write(step, scalars)
+        result.losses.append(loss)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
+
+    try:
+        with _Preemption() as preemption, jax.set_mesh(mesh):
+            for step in range(start, cfg.steps):
+                batch = jax.make_array_from_process_local_data(trainer.batch_sharding, next(data_iter))
+                state, metrics = trainer.step(state, batch)
+                if pending:
+                    flush(pending)
+                pending = (step + 1, metrics)
+                now = time.perf_counter()
+                rates.append(now - last_time)
+                last_time = now
+                bar.update(1)
+                stop = preemption.agreed()
+                if stop or (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.steps:
+                    flush(pending)
+                    pending = None
+                    ckpt.save(step + 1, state, data_iter, wait=stop or step + 1 == cfg.steps or fault_step == step + 1)
+                    result.final_step = step + 1
+                    if fault_step == step + 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if stop:
+                        result.preempted = True
+                        tqdm.write(f"stopped by a signal at step {step + 1}: checkpoint saved in {ckpt.directory}; run the same command to resume")
+                        break
+    finally:
+        bar.close()
+        writer.close()
+        ckpt.close()
+    return result

@@ -1,0 +1,87 @@
+"""The train state, its sharded creation, the loss, and the jitted train step.
+
+The state is a plain dict of arrays (``step``, ``params``, ``opt_state``, ``rng``) so that
+jit shardings, donation and Orbax see ordinary pytrees. Parameters are created inside jit
+under sharding constraints from the logical-axis rules, and the optimizer state inherits
+them, so no device ever holds a full copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from fibjax.config import TrainConfig
+from fibjax.model import Transformer
+from fibjax.train import sharding
+from fibjax.train.optimizer import make_optimizer
+
+State = dict[str, Any]
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean next-token negative log-likelihood in float32."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+
+
+@dataclass
+class Trainer:
+    """Everything jitted for one config on one mesh: init, step, and their shardings."""
+
+    cfg: TrainConfig
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    init: Callable[[], State]
+    step: Callable[[State, jax.Array], tuple[State, dict]]
+    abstract_state: State  # ShapeDtypeStructs carrying their shardings (for restore)
+    batch_sharding: jax.sharding.NamedSharding
+
+
+def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
+    abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed)))
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    param_shardings = sharding.param_shardings(abstract_params, mesh)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+
+    abstract_opt_state = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
+    # moments follow their parameter's sharding; counters and the like are replicated
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, abstract_opt_state, param_shardings, transform_non_params=lambda _: sharding.replicated(mesh)
+    )
+    state_shardings = {"step": sharding.replicated(mesh), "params": param_shardings, "opt_state": opt_shardings, "rng": sharding.replicated(mesh)}
+
+    def init_fn() -> State:
+        params = nnx.to_pure_dict(nnx.state(Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param))
+        return {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params), "rng": jax.random.key_data(jax.random.PRNGKey(cfg.seed))}
+
+    init_jit = jax.jit(init_fn, out_shardings=state_shardings)
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(init_fn), state_shardings)
+
+    def loss_fn(params, tokens_BT1):
+        logits = nnx.merge(graphdef, params)(tokens_BT1[:, :-1])
+        return cross_entropy(logits, tokens_BT1[:, 1:])
+
+    def step_fn(state: State, tokens_BT1: jax.Array):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens_BT1)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "alphas": learned_alphas(params)}
+        return {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    batch_sharding = sharding.batch_sharding(mesh)
+    step_jit = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
+    return Trainer(cfg, mesh, graphdef, tx, init_jit, step_jit, abstract_state, batch_sharding)
+
+
+def learned_alphas(params) -> dict[str, jax.Array]:
+    """{"layer_3": alpha} for every learned layer (alpha = 0.5 + sigmoid(theta))."""
+    return {f"layer_{i}": 0.5 + jax.nn.sigmoid(block["attn"]["theta"]) for i, block in params["blocks"].items() if "theta" in block["attn"]}
