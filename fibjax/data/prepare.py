@@ -1,0 +1,243 @@
+"""Corpus preparation: documents -> SentencePiece tokenizer -> flat token files + meta.json.
+
+Idempotent: the inputs (file paths, sizes and mtimes; dataset specs; options; a given
+tokenizer's hash) are fingerprinted, and a directory whose meta.json carries the same
+fingerprint is left as it is. A directory prepared from other inputs is refused unless
+``overwrite``. meta.json is removed first and written last, so a run that dies half-way never
+leaves a directory that looks complete.
+
+Validation: a source's ``val`` inputs when given; otherwise a deterministic ``val_fraction`` of
+its documents, chosen by content hash (:func:`fibjax.data.sources.is_held_out`).
+Budgets: ``max_docs`` bounds the documents read from each input stream, ``max_tokens`` stops a
+split once it holds at least that many tokens (the last document is kept whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import sentencepiece
+from tqdm.auto import tqdm
+
+from fibjax.data.sources import EMBEDDED_SPEC, DataError, describe_inputs, is_held_out, is_hf, read_documents
+from fibjax.data.token_files import (
+    FORMAT_VERSION,
+    META_FILE,
+    TOKENIZER_FILE,
+    load_meta,
+    read_meta_file,
+    split_file,
+    token_dtype,
+    write_json_atomically,
+)
+from fibjax.data.tokenizer import Tokenizer, train_tokenizer
+
+DEFAULT_VOCAB_SIZE = 32768
+DEFAULT_VAL_FRACTION = 0.01
+# Characters of training text the tokenizer learns from (spread over the sources in turn).
+DEFAULT_TOKENIZER_CHARS = 20_000_000
+EMBEDDED_NAME = "python_docs"
+# The embedded corpus is small (~110 documents): hold out a tenth so validation is ~10 k tokens.
+EMBEDDED_VAL_FRACTION = 0.1
+_ENCODE_BATCH_DOCS = 256
+
+
+def prepare(
+    out_dir: str | os.PathLike,
+    sources: dict[str, str],
+    val: dict[str, str] | None = None,
+    *,
+    vocab_size: int | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    max_tokens: int | None = None,
+    max_docs: int | None = None,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
+    tokenizer_chars: int = DEFAULT_TOKENIZER_CHARS,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Prepare ``out_dir`` from ``sources`` ({name: spec}, see :mod:`fibjax.data.sources`).
+
+    ``val`` maps names to validation specs; a name that is not a training source becomes a
+    validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` reuses a
+    ``.model`` instead of training one of ``vocab_size`` pieces. Returns the meta dict."""
+    out_dir, val = Path(out_dir), dict(val or {})
+    _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction)
+    given = Tokenizer.load(tokenizer) if tokenizer else None
+    if given and vocab_size is not None and vocab_size != given.vocab_size:
+        raise DataError(f"--vocab-size {vocab_size} contradicts the given tokenizer {str(tokenizer)!r}, whose vocabulary is {given.vocab_size}")
+    vocab_size = given.vocab_size if given else (vocab_size or DEFAULT_VOCAB_SIZE)
+    options = {"vocab_size": vocab_size, "max_tokens": max_tokens, "max_docs": max_docs,
+               "val_fraction": val_fraction, "tokenizer_chars": None if given else tokenizer_chars}
+    inputs = {name: {"train": describe_inputs(spec)} for name, spec in sources.items()}
+    for name, spec in val.items():
+        inputs.setdefault(name, {})["val"] = describe_inputs(spec)
+    fingerprint = _sha256_json({"format": FORMAT_VERSION, "inputs": inputs, "options": options,
+                                "tokenizer": given.sha256 if given else "trained"})
+
+    existing = read_meta_file(out_dir) if out_dir.is_dir() else None
+    if existing is not None:
+        if existing.get("fingerprint") == fingerprint:
+            return load_meta(out_dir)
+        if not overwrite:
+            raise DataError(f"{str(out_dir)!r} already holds data prepared from other inputs or options; "
+                            "choose another output directory or pass --overwrite")
+        (out_dir / META_FILE).unlink()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def train_documents(name: str) -> Iterator[str]:
+        docs = _bounded(read_documents(sources[name]), max_docs)
+        return docs if name in val else (d for d in docs if not is_held_out(d, val_fraction))
+
+    if given:
+        tok = given
+    else:
+        if progress:
+            print(f"training a {vocab_size}-piece BPE tokenizer on up to {tokenizer_chars:,} characters", file=sys.stderr)
+        tok = train_tokenizer(_round_robin([train_documents(n) for n in sources], tokenizer_chars), vocab_size)
+    tok_path = out_dir / TOKENIZER_FILE
+    tok.save(tok_path.with_name(tok_path.name + ".tmp"))
+    os.replace(tok_path.with_name(tok_path.name + ".tmp"), tok_path)
+
+    writer_args = dict(out_dir=out_dir, dtype=token_dtype(tok.vocab_size), tok=tok, max_tokens=max_tokens, progress=progress)
+    entries: dict[str, dict] = {}
+    for name, spec in sources.items():
+        holdout = None if name in val else val_fraction
+        entries[name] = _write_stream(name, spec, _bounded(read_documents(spec), max_docs), holdout=holdout, **writer_args)
+    for name, spec in val.items():
+        written = _write_stream(name, spec, _bounded(read_documents(spec), max_docs), split="val", **writer_args)
+        entries.setdefault(name, {})["val"] = written["val"] | {"from": "files"}
+    for entry in entries.values():
+        for split in entry.values():
+            split["inputs"] = [i[0] if isinstance(i, list) else i for i in describe_inputs(split["spec"])]
+
+    meta = {
+        "format": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                      "from": str(Path(tokenizer).resolve()) if tokenizer else "trained"},
+        "sources": entries,
+        "options": options,
+        "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__},
+    }
+    write_json_atomically(out_dir / META_FILE, meta)
+    return meta
+
+
+def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progress: bool = False) -> dict:
+    """Prepare the embedded corpus (Python's reference manual topics) into ``out_dir``; a
+    no-op when it is already there. Offline: the text ships with Python."""
+    return prepare(out_dir, {EMBEDDED_NAME: EMBEDDED_SPEC}, vocab_size=vocab_size,
+                   val_fraction=EMBEDDED_VAL_FRACTION, progress=progress)
+
+
+def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction) -> None:
+    if not sources:
+        raise DataError("no training source given (e.g. --source fineweb=/path/to/files)")
+    for label, value in (("max_tokens", max_tokens), ("max_docs", max_docs), ("vocab_size", vocab_size)):
+        if value is not None and value < 1:
+            raise DataError(f"{label} must be >= 1, got {value}")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+    unbounded = [s for s in (*sources.values(), *val.values()) if is_hf(s)] if max_tokens is None and max_docs is None else []
+    if unbounded:
+        raise DataError(f"streaming {unbounded[0]!r} needs a budget: pass --max-tokens or --max-docs")
+
+
+def _sha256_json(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _bounded(docs: Iterator[str], max_docs: int | None) -> Iterator[str]:
+    return docs if max_docs is None else itertools.islice(docs, max_docs)
+
+
+def _round_robin(streams: list[Iterator[str]], max_chars: int) -> Iterator[str]:
+    """Documents from every stream in turn until ``max_chars``: each source shapes the vocabulary."""
+    chars, active = 0, list(streams)
+    while active:
+        for stream in list(active):
+            doc = next(stream, None)
+            if doc is None:
+                active.remove(stream)
+                continue
+            yield doc
+            chars += len(doc)
+            if chars >= max_chars:
+                return
+
+
+class _TokenFile:
+    """Appends documents (each followed by EOS) to ``<name>/<split>.bin.tmp``; renamed on finish."""
+
+    def __init__(self, out_dir: Path, name: str, split: str, dtype: np.dtype, eos_id: int):
+        self.relative = split_file(name, split)
+        self.path = out_dir / self.relative
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+        self.file = open(self.tmp, "wb")
+        self.dtype, self.eos = dtype, np.array([eos_id], dtype)
+        self.tokens = self.documents = 0
+
+    def add(self, docs: Iterable[list[int]]) -> None:
+        pieces = [p for ids in docs for p in (np.asarray(ids, self.dtype), self.eos)]
+        if pieces:
+            block = np.concatenate(pieces)
+            block.tofile(self.file)
+            self.tokens += block.size
+            self.documents += len(pieces) // 2
+
+    def finish(self, spec: str) -> dict:
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return {"spec": spec, "file": self.relative, "tokens": self.tokens, "documents": self.documents}
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_stream(name: str, spec: str, docs: Iterator[str], *, out_dir: Path, dtype: np.dtype, tok: Tokenizer,
+                  max_tokens: int | None, progress: bool, holdout: float | None = None, split: str = "train") -> dict:
+    """Encode ``docs`` into ``split`` (and, with ``holdout``, a content-hash fraction into val)."""
+    files = {split: _TokenFile(out_dir, name, split, dtype, tok.eos_id)}
+    if holdout is not None:
+        files["val"] = _TokenFile(out_dir, name, "val", dtype, tok.eos_id)
+    bar = tqdm(desc=f"{name}/{split}", unit="doc", disable=not progress)
+    try:
+        while max_tokens is None or files[split].tokens < max_tokens:
+            batch = list(itertools.islice(docs, _ENCODE_BATCH_DOCS))
+            if not batch:
+                break
+            held = [holdout is not None and is_held_out(d, holdout) for d in batch]
+            encoded = tok.encode_batch(batch)
+            files[split].add(ids for ids, h in zip(encoded, held) if not h)
+            if holdout is not None:
+                files["val"].add(ids for ids, h in zip(encoded, held) if h)
+            bar.update(len(batch))
+            bar.set_postfix(tokens=f"{files[split].tokens:,}")
+    except BaseException:
+        for f in files.values():
+            f.abandon()
+        raise
+    finally:
+        bar.close()
+    for kind, f in files.items():
+        if f.documents == 0:
+            for g in files.values():
+                g.abandon()
+            why = (f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)"
+                   if kind == "val" and holdout else "")
+            raise DataError(f"source {name!r} ({spec}) produced no {kind} document{why}")
+    entry = {kind: f.finish(spec) for kind, f in files.items()}
+    if holdout is not None:
+        entry["val"]["from"] = f"holdout {holdout}"
+    return entry

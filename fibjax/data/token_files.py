@@ -1,0 +1,125 @@
+"""The prepared-data directory: flat token files and the ``meta.json`` that vouches for them.
+
+Layout written by :mod:`fibjax.data.prepare`::
+
+    DIR/tokenizer.model         the SentencePiece model every token file was encoded with
+    DIR/<source>/train.bin      tokens of every document, each followed by EOS
+    DIR/<source>/val.bin        the same for the validation split
+    DIR/meta.json               counts, dtype, tokenizer sha256, inputs, fingerprint
+
+Files are raw little-endian uint16 (vocab <= 65536) or uint32, read back as memmaps. Reading
+checks what a reader can check cheaply: the tokenizer's hash and every file's exact size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fibjax.data.sources import DataError
+
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.model"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def split_file(name: str, split: str) -> str:
+    """Path of a token file relative to the data directory."""
+    return f"{name}/{split}.bin"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_meta_file(data_dir: Path) -> dict | None:
+    """meta.json as written, or None when the directory holds none (not prepared yet)."""
+    path = Path(data_dir) / META_FILE
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is unreadable ({e}); delete the directory and prepare it again") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise DataError(f"{path} is not fibjax prepared-data metadata of format {FORMAT_VERSION}; prepare the data again")
+    return meta
+
+
+def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = None) -> dict:
+    """Read and check ``DIR/meta.json``: the tokenizer file is the one the tokens were made
+    with (and ``tokenizer_sha256`` when given, e.g. the one a checkpoint recorded), and every
+    token file has exactly the size its token count says."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `python -m launch.prepare_data --out {data_dir} ...`")
+    meta = read_meta_file(data_dir)
+    if meta is None:
+        raise DataError(f"{str(data_dir)!r} holds no {META_FILE}: it was never prepared, or preparation did not finish")
+    recorded = meta["tokenizer"]["sha256"]
+    model = data_dir / TOKENIZER_FILE
+    if not model.is_file():
+        raise DataError(f"{model} is missing; the token files cannot be decoded without the tokenizer they were made with")
+    actual = file_sha256(model)
+    if actual != recorded:
+        raise DataError(f"tokenizer mismatch in {str(data_dir)!r}: the token files were made with tokenizer sha256 {recorded[:12]}..., "
+                        f"but {TOKENIZER_FILE} has sha256 {actual[:12]}...; refusing to mix them (prepare the data again)")
+    if tokenizer_sha256 is not None and tokenizer_sha256 != recorded:
+        raise DataError(f"tokenizer mismatch: {str(data_dir)!r} was tokenized with sha256 {recorded[:12]}..., "
+                        f"but {tokenizer_sha256[:12]}... was expected (the run was started with other data)")
+    dtype = np.dtype(meta["dtype"])
+    for source in meta["sources"].values():
+        for split in SPLITS:
+            if split in source:
+                _check_size(data_dir / source[split]["file"], source[split]["tokens"], dtype)
+    return meta
+
+
+def _check_size(path: Path, tokens: int, dtype: np.dtype) -> None:
+    if not path.is_file():
+        raise DataError(f"token file {path} is missing")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise DataError(f"token file {path} is corrupt: {size} bytes is not a whole number of {dtype.name} tokens")
+    if size // dtype.itemsize != tokens:
+        raise DataError(f"token file {path} is corrupt or truncated: it holds {size // dtype.itemsize} tokens, meta.json says {tokens}")
+
+
+def open_tokens(data_dir: str | os.PathLike, meta: dict, name: str, split: str) -> np.memmap:
+    """A read-only memmap of one token file (``meta`` from :func:`load_meta`)."""
+    sources = meta["sources"]
+    if name not in sources:
+        raise DataError(f"unknown source {name!r} in {str(data_dir)!r}; it has {sorted(sources)}")
+    if split not in sources[name]:
+        have = [s for s in SPLITS if s in sources[name]]
+        raise DataError(f"source {name!r} in {str(data_dir)!r} has no {split} split (it has {have})")
+    return np.memmap(Path(data_dir) / sources[name][split]["file"], dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+def validation_tokens(data_dir: str | os.PathLike, name: str) -> np.memmap:
+    """The validation tokens of source ``name`` (documents separated by EOS), as a memmap."""
+    return open_tokens(data_dir, load_meta(data_dir), name, "val")
+
+
+def validation_sources(meta: dict) -> list[str]:
+    """Names of the sources that have a validation split, in sorted order."""
+    return sorted(n for n, s in meta["sources"].items() if "val" in s)
