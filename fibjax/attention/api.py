@@ -5,6 +5,10 @@ q_heads % kv_heads == 0. RoPE is applied by the caller; the scale is 1/sqrt(head
 path is causal; the output has q's shape and dtype; softmax statistics are float32. With
 ``return_lse=True`` a path returns ``(out, lse)``, lse [batch, seq, q_heads] float32, the
 log-sum-exp of the scaled scores over the keys the query attended (-inf if none).
+
+The offset paths take ``implementation``: ``"xla"`` (``offset_xla.py``), ``"pallas"``
+(``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks Pallas on GPU
+and TPU and XLA on CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from fibjax.attention import offsets
 from fibjax.attention.common import check_qkv
 from fibjax.attention.dense import dense_attention_xla
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
+from fibjax.attention.pallas import backend as pallas_backend
+from fibjax.attention.pallas import interpolated_attention_pallas, offset_attention_pallas
 
 Array = jax.Array
 
@@ -27,7 +33,7 @@ def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False):
     return dense_attention_xla(q, k, v, return_lse=return_lse)
 
 
-def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False):
+def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False, implementation: str | None = None):
     """Static offset attention: query i attends keys i - d for d in ``distances`` (i >= d).
 
     ``distances`` are Python ints known at trace time, usually from
@@ -35,10 +41,14 @@ def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], 
     """
     check_qkv(q, k, v)
     distances = _check_distances(distances)
+    if pallas_backend.use_pallas(implementation):
+        return offset_attention_pallas(q, k, v, distances=distances, return_lse=return_lse)
     return offset_attention_xla(q, k, v, distances=distances, return_lse=return_lse)
 
 
-def interpolated_attention(q: Array, k: Array, v: Array, *, window: int, base: offsets.Base, alpha, return_lse: bool = False):
+def interpolated_attention(
+    q: Array, k: Array, v: Array, *, window: int, base: offsets.Base, alpha, return_lse: bool = False, implementation: str | None = None
+):
     """Learned-alpha attention: window {0..W} plus interpolated rungs at alpha * f.
 
     ``alpha`` may be a traced scalar (it is differentiable, and changing it never recompiles:
@@ -54,6 +64,8 @@ def interpolated_attention(q: Array, k: Array, v: Array, *, window: int, base: o
         a = float(alpha)
         if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX:
             raise ValueError(f"alpha must lie in [0.5, 1.5], got {a}")
+    if pallas_backend.use_pallas(implementation):
+        return interpolated_attention_pallas(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
 
 
