@@ -177,6 +177,14 @@ def test_corrupt_or_truncated_token_files_are_errors(prepared, tmp_path):
     train.unlink()
     with pytest.raises(DataError, match="missing"):
         load_meta(copy)
+    meta = load_meta(prepared)
+    sources = {n: s["train"]["spec"] for n, s in meta["sources"].items() if "train" in s}
+    val = {n: s["val"]["spec"] for n, s in meta["sources"].items() if s["val"]["from"] == "files"}
+    again = dict(sources=sources, val=val, vocab_size=1024, val_fraction=0.1, progress=False)
+    with pytest.raises(DataError, match="missing.*pass --overwrite to prepare it again"):
+        prepare(copy, **again)
+    assert prepare(copy, **again, overwrite=True)["sources"]["wiki"]["train"]["tokens"] == len(data) // 2
+    train.write_bytes(data[:-2])
     (copy / "meta.json").unlink()
     with pytest.raises(DataError, match="never prepared"):
         load_meta(copy)
@@ -207,6 +215,8 @@ def test_bad_inputs_are_errors_naming_the_file(tmp_path):
     except ImportError:
         with pytest.raises(DataError, match="'datasets' package"):
             prepare(out, {"web": "hf:HuggingFaceFW/fineweb-edu:sample-10BT"}, max_docs=10, progress=False)
+    with pytest.raises(DataError, match="source name 'meta.json'"):
+        prepare(out, {"meta.json": str(tmp_path / "empty.jsonl")}, progress=False)
     assert prepare_data.main(["--out", str(out), "--source", f"x={tmp_path / 'missing.jsonl'}", "--quiet"]) == 2
 
 

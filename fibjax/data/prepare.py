@@ -26,7 +26,7 @@ import numpy as np
 import sentencepiece
 from tqdm.auto import tqdm
 
-from fibjax.data.sources import EMBEDDED_SPEC, DataError, describe_inputs, is_held_out, is_hf, read_documents
+from fibjax.data.sources import EMBEDDED_SPEC, DataError, check_name, describe_inputs, is_held_out, is_hf, read_documents
 from fibjax.data.token_files import (
     FORMAT_VERSION,
     META_FILE,
@@ -72,7 +72,7 @@ def prepare(
     _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction)
     given = Tokenizer.load(tokenizer) if tokenizer else None
     if given and vocab_size is not None and vocab_size != given.vocab_size:
-        raise DataError(f"--vocab-size {vocab_size} contradicts the given tokenizer {str(tokenizer)!r}, whose vocabulary is {given.vocab_size}")
+        raise DataError(f"vocab_size {vocab_size} contradicts the given tokenizer {str(tokenizer)!r}, whose vocabulary is {given.vocab_size}")
     vocab_size = given.vocab_size if given else (vocab_size or DEFAULT_VOCAB_SIZE)
     options = {"vocab_size": vocab_size, "max_tokens": max_tokens, "max_docs": max_docs,
                "val_fraction": val_fraction, "tokenizer_chars": None if given else tokenizer_chars}
@@ -85,8 +85,12 @@ def prepare(
     existing = read_meta_file(out_dir) if out_dir.is_dir() else None
     if existing is not None:
         if existing.get("fingerprint") == fingerprint:
-            return load_meta(out_dir)
-        if not overwrite:
+            try:
+                return load_meta(out_dir)
+            except DataError as e:
+                if not overwrite:
+                    raise DataError(f"{e}; pass --overwrite to prepare it again") from None
+        elif not overwrite:
             raise DataError(f"{str(out_dir)!r} already holds data prepared from other inputs or options; "
                             "choose another output directory or pass --overwrite")
         (out_dir / META_FILE).unlink()
@@ -142,6 +146,8 @@ def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progr
 def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction) -> None:
     if not sources:
         raise DataError("no training source given (e.g. --source fineweb=/path/to/files)")
+    for name in (*sources, *val):
+        check_name(name)
     for label, value in (("max_tokens", max_tokens), ("max_docs", max_docs), ("vocab_size", vocab_size)):
         if value is not None and value < 1:
             raise DataError(f"{label} must be >= 1, got {value}")

@@ -34,7 +34,7 @@ SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".parquet")
 EMBEDDED_SPEC = "embedded:python-docs"
 _HF_PREFIX = "hf:"
 _TXT_SEPARATOR = "<|endoftext|>"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def parse_named(arg: str) -> tuple[str, str]:
@@ -43,9 +43,14 @@ def parse_named(arg: str) -> tuple[str, str]:
     name, spec = name.strip(), spec.strip()
     if not sep or not spec:
         raise DataError(f"expected NAME=PATH_OR_SPEC, got {arg!r}")
-    if not _NAME.fullmatch(name):
-        raise DataError(f"source name {name!r} must be letters, digits, '_', '-' or '.' (it names a folder)")
+    check_name(name)
     return name, spec
+
+
+def check_name(name: str) -> None:
+    """A source name becomes a folder next to meta.json, so it is kept plain."""
+    if not _NAME.fullmatch(name):
+        raise DataError(f"source name {name!r} must start with a letter or digit and hold only letters, digits, '_' and '-'")
 
 
 def is_hf(spec: str) -> bool:
