@@ -9,8 +9,8 @@ from fibjax.config import AttentionConfig, CheckpointConfig, ModelConfig, OptimC
 def get_config() -> TrainConfig:
     return TrainConfig(
         name="tiny",
-        steps=300,
-        seq_len=128,
+        steps=600,
+        seq_len=256,
         global_batch=16,
         log_every=10,
         model=ModelConfig(
@@ -18,5 +18,5 @@ def get_config() -> TrainConfig:
             attention=AttentionConfig(kind="offset", base="fibonacci", window=8, alpha="staggered"),
         ),
         optim=OptimConfig(lr=3e-3, warmup_steps=30),
-        checkpoint=CheckpointConfig(every_steps=100, keep=2),
+        checkpoint=CheckpointConfig(every_steps=200, keep=2),
     )

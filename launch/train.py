@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.attention.window=8 steps=200")
     args = parser.parse_args(argv)
 
+    import jax
+
     from fibjax.config import ConfigError, apply_overrides, load_config_file
+    from fibjax.data import DataError
     from fibjax.train.checkpoint import CheckpointError
     from fibjax.train.loop import NonFiniteLoss, train
 
@@ -29,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         result = train(cfg, workdir, progress=not args.no_progress)
-    except (ConfigError, CheckpointError, NonFiniteLoss, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
+    if cfg.eval.at_end and not result.preempted and jax.process_index() == 0:
+        from fibjax.eval import runner
+
+        report, path = runner.evaluate_workdir(workdir)
+        print(runner.format_table(report))
+        print(f"written: {path}")
     return 0
 
 

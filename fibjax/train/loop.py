@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
-from fibjax.data import pipeline, prepare
 from fibjax.train import sharding
 from fibjax.train.checkpoint import Checkpointer, claim_workdir
 from fibjax.train.metrics import MetricsWriter
@@ -49,11 +49,12 @@ def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
     """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
     if cfg.data.path:
         return Path(cfg.data.path)
-    return prepare.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
+    data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
+    return Path(workdir) / "data"
 
 
 def check_vocab(cfg: TrainConfig, data_dir: Path) -> None:
-    vocab = pipeline.load_meta(data_dir)["vocab_size"]
+    vocab = data_lib.load_meta(data_dir)["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
 
@@ -100,7 +101,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
     if cfg.global_batch % batch_shards:
         raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
     trainer = build(cfg, mesh)
-    data_iter = pipeline.train_iterator(
+    data_iter = data_lib.train_iterator(
         data_dir, parse_weights(cfg.data.weights), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed,
         process_index=jax.process_index(), process_count=jax.process_count(), worker_count=cfg.data.worker_count,
     )

@@ -1,0 +1,1 @@
+"""Evaluation: perplexity by length and position, checkpoint loading, reports."""

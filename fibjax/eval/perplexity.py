@@ -1,0 +1,90 @@
+"""Perplexity of one model on one token stream at several lengths, and NLL by position.
+
+Every length scores the SAME tokens: the stream's first N + 1 tokens, N a multiple of every
+length, cut into non-overlapping windows; each window is scored from its own start (no
+carried context), so the number of scored tokens is N at every length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fibjax.config import ModelConfig
+from fibjax.model import Transformer
+
+NUM_BINS = 8
+
+
+class EvalError(ValueError):
+    pass
+
+
+@dataclass
+class LengthResult:
+    length: int
+    tokens: int  # scored tokens (equal at every length)
+    nll: float  # mean negative log-likelihood, nats per token
+    ppl: float
+    bin_nll: list[float]  # mean NLL in NUM_BINS equal bins of positions over the window
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def token_nll_fn(model_cfg: ModelConfig):
+    """Jitted (params, tokens [B, L+1]) -> NLL [B, L] float32 for this architecture."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def nll(params, tokens_BL1):
+        logits_BLV = nnx.merge(graphdef, params)(tokens_BL1[:, :-1])
+        logp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+
+    return nll
+
+
+def scored_tokens(stream_len: int, lengths: list[int], max_tokens: int) -> int:
+    """Largest N <= max_tokens, N + 1 <= stream length, divisible by every length."""
+    unit = math.lcm(*lengths)
+    n = min(max_tokens, stream_len - 1) // unit * unit
+    if n == 0:
+        raise EvalError(f"the validation stream has {stream_len} tokens: too short for one window of {unit} tokens (+1) at lengths {lengths}")
+    return n
+
+
+def windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
+    """[n / length, length + 1] int32: inputs and their next-token targets, non-overlapping."""
+    x = np.asarray(stream[: n + 1], dtype=np.int32)
+    rows = n // length
+    starts = np.arange(rows)[:, None] * length
+    return x[starts + np.arange(length + 1)[None, :]]
+
+
+def evaluate_lengths(model_cfg: ModelConfig, params, stream: np.ndarray, lengths: list[int], *, max_tokens: int, rows_tokens: int) -> list[LengthResult]:
+    """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory)."""
+    nll_fn = token_nll_fn(model_cfg)
+    n = scored_tokens(len(stream), lengths, max_tokens)
+    results = []
+    for length in lengths:
+        tokens = windows(stream, n, length)
+        rows = max(1, rows_tokens // length)
+        nll = np.concatenate([_padded_call(nll_fn, params, tokens[i : i + rows], rows) for i in range(0, len(tokens), rows)])
+        bins = [float(b.mean()) for b in np.array_split(nll, NUM_BINS, axis=1)]
+        mean = float(nll.mean())
+        results.append(LengthResult(length, int(nll.size), mean, math.exp(mean), bins))
+    return results
+
+
+def _padded_call(fn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
+    """Call with a fixed batch of ``rows`` (one compile per length), dropping padded rows."""
+    real = len(tokens)
+    if real < rows:
+        tokens = np.concatenate([tokens, np.zeros((rows - real, tokens.shape[1]), tokens.dtype)])
+    return np.asarray(fn(params, jnp.asarray(tokens)))[:real]

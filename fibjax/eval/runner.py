@@ -1,0 +1,151 @@
+"""From a run directory to ``RUN/eval/<step>.json``: load, pick datasets, evaluate, print.
+
+A run directory holds ``config.json`` (the resolved TrainConfig) and ``checkpoints/``; its
+tokenizer is the one in the run's data directory. Evaluation data must have been tokenized
+with that tokenizer (checked by hash).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from fibjax import data as data_lib
+from fibjax.config import AttentionConfig, MeshConfig, TrainConfig
+from fibjax.eval.perplexity import EvalError, evaluate_lengths
+from fibjax.train import sharding, step
+from fibjax.train.checkpoint import Checkpointer, load_run_config
+from fibjax.train.loop import resolve_data_dir
+
+
+@dataclass
+class LoadedRun:
+    cfg: TrainConfig
+    step: int
+    params: dict
+    data_dir: Path
+    tokenizer_sha256: str
+
+
+def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
+    """The run's config and the parameters of ``step_number`` (default: the latest checkpoint)."""
+    workdir = Path(workdir)
+    cfg = load_run_config(workdir)
+    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise EvalError(f"{workdir} has no checkpoint yet")
+        chosen = steps[-1] if step_number is None else step_number
+        if chosen not in steps:
+            raise EvalError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
+        mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
+        abstract = step.build(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), mesh).abstract_state
+        state = ckpt.restore(chosen, abstract)
+    finally:
+        ckpt.close()
+    data_dir = resolve_data_dir(cfg, workdir)
+    sha = data_lib.load_meta(data_dir)["tokenizer"]["sha256"]
+    return LoadedRun(cfg, chosen, state["params"], data_dir, sha)
+
+
+def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
+    """(params, model config) for evaluating the run's weights under another attention.
+
+    Weights carry over unchanged; a learned layer's theta is dropped when the override has
+    none, and created from the override's schedule when the override learns alpha."""
+    from fibjax.attention.offsets import alpha_to_theta
+
+    model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
+    alphas = attention.layer_alphas(model_cfg.num_layers) if attention.kind == "offset" else None
+    blocks = {}
+    for i, block in run.params["blocks"].items():
+        attn = {k: v for k, v in block["attn"].items() if k != "theta"}
+        if attention.is_learned:
+            attn["theta"] = block["attn"].get("theta", np.float32(alpha_to_theta(alphas[i])))
+        blocks[i] = {**block, "attn": attn}
+    return {**run.params, "blocks": blocks}, model_cfg
+
+
+def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, np.ndarray]:
+    """Validation token streams by name. ``specs``: name -> prepared DIR or DIR:SOURCE;
+    None: every validation source of the run's own data."""
+    if not specs:
+        meta = data_lib.load_meta(run.data_dir)
+        return {name: data_lib.validation_tokens(run.data_dir, name) for name in data_lib.validation_sources(meta)}
+    streams = {}
+    for name, spec in specs.items():
+        directory, _, source = spec.partition(":")
+        meta = data_lib.load_meta(directory, tokenizer_sha256=run.tokenizer_sha256)
+        source = source or (name if name in meta["sources"] else None)
+        if source is None:
+            choices = data_lib.validation_sources(meta)
+            if len(choices) != 1:
+                raise EvalError(f"--data {name}={spec}: name a source with DIR:SOURCE; {directory} has {choices}")
+            source = choices[0]
+        streams[name] = data_lib.validation_tokens(directory, source)
+    return streams
+
+
+def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.ndarray], max_tokens: int, attention: AttentionConfig | None = None) -> dict:
+    params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
+    rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
+    results = {}
+    for name, stream in datasets.items():
+        results[name] = [r.as_dict() for r in evaluate_lengths(model_cfg, params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens)]
+    return {
+        "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths,
+        "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
+        "alphas": layer_alphas(params, model_cfg), "datasets": results,
+    }
+
+
+def layer_alphas(params: dict, model_cfg) -> list[float | None]:
+    acfg = model_cfg.attention
+    if acfg.kind != "offset":
+        return [None] * model_cfg.num_layers
+    if not acfg.is_learned:
+        return list(acfg.layer_alphas(model_cfg.num_layers))
+    return [float(0.5 + jax.nn.sigmoid(params["blocks"][i]["attn"]["theta"])) for i in range(model_cfg.num_layers)]
+
+
+def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, lengths: list[int] | None = None,
+                     specs: dict[str, str] | None = None, max_tokens: int | None = None,
+                     attention_overrides: list[str] | None = None) -> tuple[dict, Path]:
+    """The whole evaluation of one run directory; returns the report and where it was written.
+
+    Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
+    run's validation sources, eval.max_tokens."""
+    from fibjax.config import apply_overrides
+
+    run = load_run(workdir, step_number)
+    lengths = lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers]
+    attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
+    report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens, attention=attention)
+    tag = "-".join(a.replace("=", "_") for a in attention_overrides) if attention_overrides else ""
+    return report, write_report(workdir, report, tag)
+
+
+def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
+    out = Path(workdir) / "eval" / f"{report['step']}{'-' + tag if tag else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{report['run']} step {report['step']} (trained at {report['train_seq_len']} tokens)",
+             "| dataset | length | tokens | NLL | ppl | change vs first length |", "|---|---:|---:|---:|---:|---:|"]
+    for name, rows in report["datasets"].items():
+        base = rows[0]["ppl"]
+        for r in rows:
+            lines.append(f"| {name} | {r['length']} | {r['tokens']} | {r['nll']:.4f} | {r['ppl']:.2f} | {100 * (r['ppl'] / base - 1):+.1f}% |")
+    alphas = [a for a in report["alphas"] if a is not None]
+    if alphas:
+        lines.append("alpha per layer: " + " ".join(f"{a:.3f}" for a in report["alphas"]))
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""Evaluate a run: ``python -m launch.eval --workdir RUN [--step S] [--lengths 1024,2048,4096]
+[--data NAME=DIR[:SOURCE] ...] [--attention key=value ...]``.
+
+Perplexity on the same validation tokens at every length, NLL in 8 position bins, the alpha
+of every layer; writes RUN/eval/<step>.json and prints a table. ``--attention`` evaluates the
+weights under another attention (e.g. ``--attention kind=offset window=8 alpha=staggered``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--lengths", type=_ints, default=None, help="default: the run's eval.length_multipliers x its seq_len")
+    parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
+    parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
+    args = parser.parse_args(argv)
+
+    from fibjax.config import ConfigError
+    from fibjax.data import DataError
+    from fibjax.eval import runner
+    from fibjax.eval.perplexity import EvalError
+    from fibjax.train.checkpoint import CheckpointError
+
+    try:
+        specs = dict(item.split("=", 1) for item in args.data) if args.data else None
+        report, path = runner.evaluate_workdir(args.workdir, step_number=args.step, lengths=args.lengths, specs=specs,
+                                               max_tokens=args.max_tokens, attention_overrides=args.attention)
+    except (ConfigError, DataError, EvalError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(runner.format_table(report))
+    print(f"written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
