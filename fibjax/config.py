@@ -128,7 +128,8 @@ class DataConfig:
     worker_count: int = 0
 
     def __post_init__(self):
-        _require(self.default_vocab_size >= 259, "default_vocab_size", "must be >= 259 (256 byte pieces + specials)", self.default_vocab_size)
+        # 256 byte pieces + specials + the corpus's characters need 346 on Python 3.11's docs
+        _require(self.default_vocab_size >= 384, "default_vocab_size", "must be >= 384", self.default_vocab_size)
         _require(self.worker_count >= 0, "worker_count", "must be >= 0", self.worker_count)
         parse_weights(self.weights)
 
@@ -210,7 +211,8 @@ class EvalConfig:
     batch_size: int = 4
 
     def __post_init__(self):
-        _require(len(self.length_multipliers) > 0 and all(m >= 1 for m in self.length_multipliers), "length_multipliers", "must be ints >= 1", self.length_multipliers)
+        mults = self.length_multipliers
+        _require(len(mults) > 0 and all(m >= 1 for m in mults), "length_multipliers", "must be ints >= 1", mults)
         _require(self.max_tokens >= 1 and self.batch_size >= 1, "max_tokens/batch_size", "must be >= 1", (self.max_tokens, self.batch_size))
 
 

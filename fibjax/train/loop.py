@@ -49,7 +49,12 @@ def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
     """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
     if cfg.data.path:
         return Path(cfg.data.path)
-    data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
+    if jax.process_index() == 0:  # one writer; the others wait for it (shared filesystem)
+        data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fibjax: default corpus prepared")
     return Path(workdir) / "data"
 
 

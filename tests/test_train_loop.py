@@ -1,0 +1,136 @@
+"""The training loop end to end: exact resume after SIGKILL, preemption, bad inputs, NaN.
+
+Runs go through ``python -m launch.train`` in subprocesses, as a user would run them. The
+tiny model trains on a small prepared dataset shared by the tests of this module.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fibjax.data import prepare_default
+from fibjax.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.vocab_size=384",
+        "seq_len=32", "global_batch=8", "eval.at_end=false", "optim.warmup_steps=2", "log_every=1"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "embedded"
+    prepare_default(out, vocab_size=384)
+    return out
+
+
+def train_cmd(workdir, data_dir, *overrides, env=None, wait=True):
+    cmd = [sys.executable, "-m", "launch.train", "--workdir", str(workdir), "--no-progress", *TINY, f"data.path={data_dir}", *overrides]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return proc
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
+def losses(workdir):
+    return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
+
+
+def test_exact_resume_after_sigkill(tmp_path, data_dir):
+    n = 4
+    rc, out = train_cmd(tmp_path / "straight", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}")
+    assert rc == 0, out
+    rc, out = train_cmd(tmp_path / "crashed", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}", env={"FIBJAX_FAULT_AFTER_SAVE": str(n)})
+    assert rc == -signal.SIGKILL, out
+    assert [s for s, _ in losses(tmp_path / "crashed")] == list(range(1, n + 1))
+    rc, out = train_cmd(tmp_path / "crashed", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}")
+    assert rc == 0 and f"resuming {tmp_path / 'crashed'} from step {n}" in out, out
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "crashed")
+    assert resumed == straight  # bit-identical losses, including the data order after the resume
+    assert straight[-1][1] < straight[0][1]
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
+    proc = train_cmd(tmp_path / "run", data_dir, "steps=100000", "checkpoint.every_steps=100000", wait=False)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_metrics(tmp_path / "run")) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopped by a signal" in out
+    saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] >= 3
+    rc, out = train_cmd(tmp_path / "run", data_dir, f"steps={saved[-1] + 2}", "checkpoint.every_steps=100000")
+    assert rc == 0 and f"from step {saved[-1]}" in out, out
+
+
+def test_bad_inputs_are_clear_errors_and_overwrite_nothing(tmp_path, data_dir):
+    rc, out = train_cmd(tmp_path / "a", tmp_path / "no_such_dir", "steps=2")
+    assert rc == 2 and "does not exist" in out
+    rc, out = train_cmd(tmp_path / "b", data_dir, "steps=2", "model.attention.window=-3")
+    assert rc == 2 and "window" in out
+    rc, out = train_cmd(tmp_path / "b", data_dir, "steps=2", "model.attention.windw=3")
+    assert rc == 2 and "windw" in out
+    rc, out = train_cmd(tmp_path / "c", data_dir, "steps=2")
+    assert rc == 0, out
+    before = (tmp_path / "c" / "config.json").read_text()
+    rc, out = train_cmd(tmp_path / "c", data_dir, "steps=2", "model.d_model=64")
+    assert rc == 2 and "different config" in out and "model.d_model" in out
+    assert (tmp_path / "c" / "config.json").read_text() == before
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    rc, out = train_cmd(tmp_path / "d", data_dir, "steps=2")
+    assert rc == 2 and "not empty" in out and (tmp_path / "d" / "notes.txt").read_text() == "mine"
+
+
+def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    meta = json.loads((bad / "meta.json").read_text())
+    train_bin = bad / next(iter(meta["sources"].values()))["train"]["file"]
+    train_bin.write_bytes(train_bin.read_bytes()[:-3])
+    rc, out = train_cmd(tmp_path / "r1", bad, "steps=2")
+    assert rc == 2 and "corrupt" in out
+    shutil.rmtree(bad)
+    shutil.copytree(data_dir, bad)
+    (bad / "tokenizer.model").write_bytes((bad / "tokenizer.model").read_bytes() + b"x")
+    rc, out = train_cmd(tmp_path / "r2", bad, "steps=2")
+    assert rc == 2 and "tokenizer mismatch" in out
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
+    rc, out = train_cmd(tmp_path / "nan", data_dir, "steps=40", "checkpoint.every_steps=2", "optim.lr=1e30", "optim.clip_norm=1e30")
+    assert rc == 2 and "the run is stopped" in out, out
+    rows = read_metrics(tmp_path / "nan")
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    saved = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit())
+    assert "Last good checkpoint" in out and (not saved or saved[-1] <= rows[-1]["step"])
+
+
+def test_loss_falls_on_real_text(tmp_path):
+    """A tiny model on a slice of the real FineWeb text (../shared/data) learns something."""
+    from fibjax.config import TrainConfig, apply_overrides
+    from fibjax.data import prepare
+    from fibjax.train.loop import train
+
+    shared = ROOT.parent / "shared" / "data" / "fineweb"
+    if not shared.is_dir():
+        pytest.skip("../shared/data is not present on this machine")
+    data = tmp_path / "fineweb"
+    prepare(data, {"fineweb": str(shared / "fineweb_train_00.jsonl.gz")}, val={"fineweb": str(shared / "fineweb_val.jsonl.gz")},
+            vocab_size=512, max_docs=60, progress=False)
+    cfg = apply_overrides(TrainConfig(), [*TINY, "model.vocab_size=512", "steps=40", "optim.lr=3e-3", f"data.path={data}", "model.attention.kind=offset",
+                                          "model.attention.alpha=staggered", "model.attention.window=4"])
+    result = train(cfg, tmp_path / "run", progress=False)
+    first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
+    assert last < first - 1.0, (first, last)
