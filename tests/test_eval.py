@@ -1,0 +1,92 @@
+"""The extrapolation evaluator on a tiny trained run: exactness, equivalences, errors."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fibjax import data as data_lib
+from fibjax.config import TrainConfig, apply_overrides
+from fibjax.eval import runner
+from fibjax.eval.perplexity import EvalError, scored_tokens, windows
+from fibjax.train.checkpoint import CheckpointError
+from fibjax.train.loop import train
+from fibjax.train.step import cross_entropy
+from tests.test_train_loop import TINY
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_runs")
+    data = root / "data"
+    data_lib.prepare_default(data, vocab_size=384)
+    out = {}
+    for name, attention in (("dense", ["model.attention.kind=dense"]),
+                            ("fib", ["model.attention.kind=offset", "model.attention.alpha=staggered", "model.attention.window=3"])):
+        cfg = apply_overrides(TrainConfig(), [*TINY, "steps=3", f"data.path={data}", f"name={name}", "eval.max_tokens=1024", *attention])
+        train(cfg, root / name, progress=False)
+        out[name] = root / name
+    return out
+
+
+def test_nll_at_training_length_equals_training_loss_on_the_same_tokens(runs):
+    run = runner.load_run(runs["fib"])
+    stream = data_lib.validation_tokens(run.data_dir, "python_docs")
+    report = runner.evaluate_run(run, lengths=[32, 64, 128], datasets={"v": stream}, max_tokens=1024)
+    first = report["datasets"]["v"][0]
+    n = scored_tokens(len(stream), [32, 64, 128], 1024)
+    tokens = jnp.asarray(windows(stream, n, 32))
+    from flax import nnx
+
+    from fibjax.model import Transformer
+
+    model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(run.cfg.model, rngs=nnx.Rngs(0)))), run.params)
+    loss = float(cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]))
+    assert first["tokens"] == n and all(r["tokens"] == n for r in report["datasets"]["v"])
+    np.testing.assert_allclose(first["nll"], loss, rtol=1e-5)
+    for r in report["datasets"]["v"]:  # equal bins: their mean is the total
+        np.testing.assert_allclose(np.mean(r["bin_nll"]), r["nll"], rtol=1e-5)
+
+
+def test_dense_weights_under_a_window_covering_everything_give_the_same_perplexity(runs):
+    run = runner.load_run(runs["dense"])
+    streams = runner.dataset_streams(run, None)
+    dense = runner.evaluate_run(run, lengths=[32, 128], datasets=streams, max_tokens=512)
+    from fibjax.config import AttentionConfig
+
+    wide = runner.evaluate_run(run, lengths=[32, 128], datasets=streams, max_tokens=512, attention=AttentionConfig(kind="offset", window=127))
+    for a, b in zip(dense["datasets"]["python_docs"], wide["datasets"]["python_docs"]):
+        np.testing.assert_allclose(a["ppl"], b["ppl"], rtol=1e-5)
+    assert wide["attention_override"] and wide["attention"]["kind"] == "offset"
+
+
+def test_report_is_written_with_alphas(runs):
+    report, path = runner.evaluate_workdir(runs["fib"])
+    saved = json.loads(path.read_text())
+    assert path.name == f"{report['step']}.json" and saved["lengths"] == [32, 64, 128]
+    assert saved["alphas"] == [0.5, 1.5]
+    assert "python_docs" in runner.format_table(saved)
+
+
+def test_errors(runs, tmp_path):
+    with pytest.raises(EvalError, match="no checkpoint for step 7"):
+        runner.load_run(runs["fib"], 7)
+    run = runner.load_run(runs["fib"])
+    with pytest.raises(EvalError, match="too short"):
+        runner.evaluate_run(run, lengths=[32, 4096], datasets={"v": np.zeros(1000, np.int32)}, max_tokens=10**6)
+    other = tmp_path / "other_tok"
+    data_lib.prepare_default(other, vocab_size=400)
+    with pytest.raises(data_lib.DataError, match="tokenizer mismatch"):
+        runner.dataset_streams(run, {"x": str(other)})
+    # a checkpoint from another config: weights of d_model 32 under a config saying 64
+    clone = tmp_path / "clone"
+    shutil.copytree(runs["fib"], clone)
+    cfg = json.loads((clone / "config.json").read_text())
+    cfg["model"]["d_model"] = 64
+    (clone / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="could not be read"):
+        runner.load_run(clone)
+    assert jax.devices()  # the failed restore leaves JAX usable
