@@ -1,0 +1,118 @@
+"""What each layer caches while decoding, decided once per (model, capacity) on the host.
+
+The attended set during generation is the set of a full forward at the decode's *capacity*
+L = ``max_len`` (the prompt plus every token that may be generated): every position, prompt
+and generated alike, attends ``attended_distances(..., seq_len=L)`` (static layers) or the
+learned rung slots at L. A full forward over the same L tokens computes exactly this, so the
+cached logits equal its logits row for row. For Fibonacci and explicit bases the set restricted
+to the keys a position can see does not depend on L at all; only pow2 (reach-matched: its
+rungs are the powers of two <= L-1) changes with the capacity.
+
+Per layer (``LayerPlan``):
+
+* ``full``: dense attention: one row per position, L rows (block-sparse layers will use it too);
+* ``static``: a ring buffer of max(distances) + 1 rows; position p lives in row p mod rows;
+* ``learned``: window {0..W} plus interpolated rung slots whose lo is computed from the layer's
+  current alpha inside the step (as the full forward does); the buffer holds the largest
+  reachable distance lo_max + 1 (the far neighbour) of that alpha, plus one row of margin
+  against a one-ulp difference in alpha between the host plan and the jitted step.
+
+Every buffer is capped at L rows (a buffer of L rows never wraps). Letters: B batch, R cache
+rows, K KV heads, E head dim, P prompt length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fibjax.attention import offsets
+from fibjax.attention.offset_xla import learned_rungs
+
+Array = jax.Array
+
+# Layer kinds whose cache is one row per position. block_sparse belongs here once it has a
+# single-query attention in ``attend.py`` (the hook: add it to ``_FULL_CACHE_KINDS`` below).
+_FULL_CACHE_KINDS = ("dense",)
+LEARNED_MARGIN_ROWS = 1
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's cache and attended set at capacity ``max_len`` (hashable: a static value)."""
+
+    kind: str  # "full" | "static" | "learned"
+    rows: int  # cache rows (the ring buffer's length)
+    max_len: int
+    distances: tuple[int, ...] = ()  # static: the attended set; learned: the window {0..W}
+    rungs: tuple[int, ...] = ()  # learned: the base rungs at max_len, as an explicit base
+    slots: tuple[int, ...] = ()  # learned: the rungs some alpha can activate (fixed slots)
+    window: int = 0
+
+
+class KV(NamedTuple):
+    """One layer's cache: k, v [B, R, K, E]; position p is row p % R."""
+
+    k: Array
+    v: Array
+
+
+Cache = tuple[KV, ...]
+
+
+def plan_layers(model, max_len: int) -> tuple[LayerPlan, ...]:
+    """The plan of every layer of a ``fibjax.model.Transformer`` decoding up to ``max_len`` tokens."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (a prompt token and a new one), got {max_len}")
+    return tuple(_plan_layer(block.attn, max_len) for block in model.blocks)
+
+
+def _plan_layer(attn, max_len: int) -> LayerPlan:
+    acfg = attn.cfg.attention
+    if acfg.kind in _FULL_CACHE_KINDS:
+        return LayerPlan("full", max_len, max_len)
+    if acfg.kind != "offset":
+        raise NotImplementedError(
+            f"decoding a {acfg.kind!r} layer is not available yet: it needs a full cache (fibjax/decode/cache.py, "
+            "_FULL_CACHE_KINDS) and a single-query attention (fibjax/decode/attend.py)")
+    if not acfg.is_learned:
+        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=attn.alpha_init, seq_len=max_len)
+        ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
+        return LayerPlan("static", max(ds) + 1, max_len, distances=ds)
+    window = tuple(range(min(acfg.window, max_len - 1) + 1))
+    rungs = offsets.base_rungs(acfg.base, max_len)
+    slots = offsets.learned_rung_bases(window=acfg.window, base=rungs, seq_len=max_len)
+    reach = window[-1]
+    if slots:
+        spec = learned_rungs(attn.alpha(), slots, window=acfg.window, seq_len=max_len)
+        active_lo = np.asarray(spec.lo)[np.asarray(spec.active)]
+        if active_lo.size:
+            reach = max(reach, int(active_lo.max()) + 1 + LEARNED_MARGIN_ROWS)
+    return LayerPlan("learned", min(reach + 1, max_len), max_len, distances=window, rungs=rungs, slots=slots, window=acfg.window)
+
+
+def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim: int, dtype) -> Cache:
+    """Zeros for every layer (the rows a position has not written yet are never attended)."""
+    return tuple(KV(*(jnp.zeros((batch, p.rows, kv_heads, head_dim), dtype) for _ in range(2))) for p in plans)
+
+
+def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array) -> KV:
+    """Store the key/value of position ``pos`` (traced) in its row ``pos % R``."""
+    row = pos % kv.k.shape[1]
+    return KV(*(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), row, axis=1) for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE))))
+
+
+def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
+    """The cache after a prompt of P tokens: its last min(P, R) positions in rows p % R."""
+    b, p, kh, e = k_BPKE.shape
+    keep = min(p, plan.rows)
+    rows = np.arange(p - keep, p) % plan.rows
+    return KV(*(jnp.zeros((b, plan.rows, kh, e), x.dtype).at[:, rows].set(x[:, p - keep :]) for x in (k_BPKE, v_BPKE)))
+
+
+def cache_bytes(cache: Cache) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(cache))

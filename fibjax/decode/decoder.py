@@ -1,0 +1,129 @@
+"""Incremental decoding of a ``fibjax.model.Transformer``: prefill a prompt, then one token a step.
+
+The decoder reuses the model's own submodules (embedding, norms, projections, RoPE, MLP) and
+replaces only attention: the prompt through the library's paths, each new token against the
+per-layer cache (``cache.py`` says what is cached, ``attend.py`` how it is read). RoPE positions
+are absolute. The capacity ``max_len`` fixes every cache shape, and the position is a traced
+argument, so the step compiles once per (capacity, batch, sampler) and never per token
+(``traces`` counts the traces). Rows of a batch share one length (no padding).
+
+>>> decoder = Decoder(model, max_len=1024)
+>>> for tokens_B in decoder.generate(prompt_BP, 100, sampler=Sampler(temperature=0.8, top_p=0.95), seed=0):
+...     print(tokens_B)
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fibjax.decode import cache as cache_lib
+from fibjax.decode.attend import attend_prompt, attend_token
+from fibjax.decode.sampling import GREEDY, Sampler
+
+Array = jax.Array
+
+
+def _logits(model, x_BTD: Array) -> Array:
+    return model.embed.attend(model.final_norm(x_BTD)).astype(jnp.float32)
+
+
+class Decoder:
+    """Cached generation for one model (its parameters as they are now) up to ``max_len`` tokens."""
+
+    def __init__(self, model, max_len: int):
+        self.cfg = model.cfg
+        self.max_len = max_len
+        self.plans = cache_lib.plan_layers(model, max_len)
+        self.graphdef, self.state = nnx.split(model)
+        self.traces: collections.Counter[str] = collections.Counter()
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("sampler",))
+        self._step = jax.jit(self._step_fn, static_argnames=("sampler",), donate_argnums=(1,))
+
+    # --- the jitted programs ----------------------------------------------------------------
+
+    def _prefill_fn(self, state, tokens_BP: Array, key: Array, sampler: Sampler):
+        self.traces["prefill"] += 1
+        model = nnx.merge(self.graphdef, state)
+        b, p = tokens_BP.shape
+        positions_BP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        x_BPD, cache = model.embed(tokens_BP), []
+        for block, plan in zip(model.blocks, self.plans):
+            q, k, v = block.attn.qkv(block.attn_norm(x_BPD), positions_BP)
+            x_BPD = x_BPD + block.attn.o_proj(attend_prompt(plan, block.attn, q, k, v).reshape(b, p, -1))
+            x_BPD = x_BPD + block.mlp(block.mlp_norm(x_BPD))
+            cache.append(cache_lib.from_prompt(plan, k, v))
+        logits_BV = _logits(model, x_BPD[:, -1:])[:, 0]
+        return tuple(cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, p))
+
+    def _step_fn(self, state, cache: cache_lib.Cache, tokens_B: Array, pos: Array, key: Array, sampler: Sampler):
+        self.traces["step"] += 1
+        model = nnx.merge(self.graphdef, state)
+        b = tokens_B.shape[0]
+        positions_B1 = jnp.full((b, 1), pos, jnp.int32)
+        x_B1D, new_cache = model.embed(tokens_B[:, None]), []
+        for block, plan, kv in zip(model.blocks, self.plans, cache):
+            q, k, v = block.attn.qkv(block.attn_norm(x_B1D), positions_B1)
+            kv = cache_lib.write_token(kv, k, v, pos)
+            x_B1D = x_B1D + block.attn.o_proj(attend_token(plan, block.attn, q, kv, pos).reshape(b, 1, -1))
+            x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
+            new_cache.append(kv)
+        logits_BV = _logits(model, x_B1D)[:, 0]
+        return tuple(new_cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, pos + 1))
+
+    # --- the public calls -----------------------------------------------------------------
+
+    def prefill(self, tokens_BP, *, sampler: Sampler = GREEDY, key: Array | None = None):
+        """Run the prompt [B, P]: (cache, logits [B, V] at position P-1, the token chosen for position P)."""
+        tokens_BP = jnp.asarray(tokens_BP, jnp.int32)
+        if tokens_BP.ndim != 2 or tokens_BP.shape[1] < 1:
+            raise ValueError(f"the prompt must be [batch, length >= 1] token ids, got shape {tokens_BP.shape}")
+        if tokens_BP.shape[1] > self.max_len:
+            raise ValueError(f"the prompt has {tokens_BP.shape[1]} tokens, more than this decoder's max_len {self.max_len}")
+        return self._prefill(self.state, tokens_BP, _key(key), sampler=sampler)
+
+    def step(self, cache: cache_lib.Cache, tokens_B, pos: int, *, sampler: Sampler = GREEDY, key: Array | None = None):
+        """Feed the token at position ``pos``: (cache, logits [B, V] at pos, the token chosen for pos + 1).
+
+        ``cache`` is donated: use the returned one. Positions past ``max_len - 1`` are refused.
+        """
+        if not 0 <= pos < self.max_len:
+            raise ValueError(f"position {pos} is outside this decoder's capacity [0, {self.max_len})")
+        return self._step(self.state, cache, jnp.asarray(tokens_B, jnp.int32), jnp.int32(pos), _key(key), sampler=sampler)
+
+    def generate(self, prompt_BP, max_new_tokens: int, *, sampler: Sampler = GREEDY, seed: int = 0,
+                 stop_token: int | None = None) -> Iterator[np.ndarray]:
+        """Yield the new tokens [B] one position at a time, stopping early once every row has
+        produced ``stop_token`` (which is yielded). The draw for position n uses
+        fold_in(key(seed), n), so a sequence does not depend on how it was produced."""
+        prompt_BP = np.asarray(prompt_BP)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prompt_BP.ndim == 2 and prompt_BP.shape[1] + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({prompt_BP.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds this decoder's max_len {self.max_len}")
+        key = jax.random.key(seed)
+        cache, _, next_B = self.prefill(prompt_BP, sampler=sampler, key=key)
+        pos, stopped = prompt_BP.shape[1], np.zeros(prompt_BP.shape[0], bool)
+        for i in range(max_new_tokens):
+            # dispatch the next step before reading this token, so the host never waits idle
+            ahead = self.step(cache, next_B, pos, sampler=sampler, key=key) if i + 1 < max_new_tokens else None
+            tokens_B = np.asarray(next_B)
+            yield tokens_B
+            stopped |= tokens_B == stop_token
+            if ahead is None or stopped.all():
+                return
+            cache, _, next_B = ahead
+            pos += 1
+
+    def init_cache(self, batch: int = 1) -> cache_lib.Cache:
+        """An empty cache (e.g. to time steps at a given position without a prompt)."""
+        return cache_lib.init_cache(self.plans, batch, self.cfg.num_kv_heads, self.cfg.resolved_head_dim, self.cfg.dtype)
+
+
+def _key(key: Array | None) -> Array:
+    return jax.random.key(0) if key is None else key
