@@ -1,0 +1,182 @@
+"""Block-sparse attention (MoBA / NSA-selection style): the sparse stream of SSA, in XLA.
+
+Keys are cut into blocks of ``block_size`` (block b holds positions b*B .. b*B+B-1; the last
+block may be ragged). Query i in block c = i // B attends:
+
+* its own block c, causally (keys c*B .. i), always;
+* the S-1 earlier blocks b < c that score highest by (sum_g q_{i,g}) . mean(K_b), the sum running
+  over the G query heads that share a KV head, so the choice is per (batch, query, KV head).
+  Ties go to the lower block index; with fewer than S-1 earlier blocks, all of them.
+
+then an exact float32 softmax over every key of the selected blocks. S = ``num_blocks``.
+
+Nothing is [T, T]: queries go in chunks (one ``lax.map`` step each, rematerialised in the
+backward); a chunk scores its queries against the T/B block means, keeps the top S-1 with
+``lax.top_k`` (which puts equal values at the lower index first), and gathers the S selected
+blocks of K and V per query: O(T x S x B x D) for the attention, O(T x T/B x D) for the choice.
+Decisions and figures: BUILD_NOTES.md, "Block-sparse attention and passkey".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fibjax.attention.common import Array, check_qkv, finish, masked_softmax, stats_dtype
+
+# Queries per lax.map step: bounds the gathered K/V at chunk x S x B x K x D per batch row.
+QUERY_CHUNK = 512
+
+
+def _pad_to(x_BTKD: Array, t_pad: int) -> Array:
+    return jnp.pad(x_BTKD, ((0, 0), (0, t_pad - x_BTKD.shape[1]), (0, 0), (0, 0)))
+
+
+def _block_sums(k_BTKD: Array, block: int) -> Array:
+    """[B,T,K,D] (T a multiple of block) -> [B,N,K,D] float32 key sums per block."""
+    b, t, kh, d = k_BTKD.shape
+    return jnp.sum(k_BTKD.reshape(b, t // block, block, kh, d).astype(jnp.float32), axis=2)
+
+
+def _select(q_BCKGD: Array, ksum_BNKD: Array, query_start, *, block: int, top: int) -> Array:
+    """Selected blocks [B,C,K,1+top] int32 for queries query_start + [0, C): slot 0 is the own
+    block, then the ``top`` best earlier blocks in descending score; -1 marks an empty slot.
+
+    The score is q . sum(K_b) rather than q . mean(K_b): every candidate b < c is a full block,
+    so the two differ by the constant factor B and rank identically (and the sum is exact for
+    dyadic test inputs, which makes ties reproducible)."""
+    own_C = (query_start + jnp.arange(q_BCKGD.shape[1])) // block
+    own_BCKS = jnp.broadcast_to(own_C[None, :, None, None], (*q_BCKGD.shape[:3], 1)).astype(jnp.int32)
+    if top == 0:
+        return own_BCKS
+    qsum_BCKD = jnp.sum(jax.lax.stop_gradient(q_BCKGD).astype(jnp.float32), axis=3)
+    s_BCKN = jnp.einsum("bckd,bnkd->bckn", qsum_BCKD, jax.lax.stop_gradient(ksum_BNKD))
+    earlier_CN = jnp.arange(ksum_BNKD.shape[1])[None, :] < own_C[:, None]
+    _, idx_BCKS = jax.lax.top_k(jnp.where(earlier_CN[None, :, None, :], s_BCKN, -jnp.inf), top)
+    # a slot is filled iff its block is earlier; -inf candidates sort after every real score
+    idx_BCKS = jnp.where(idx_BCKS < own_C[None, :, None, None], idx_BCKS, -1).astype(jnp.int32)
+    return jnp.concatenate([own_BCKS, idx_BCKS], axis=-1)
+
+
+def _gather_blocks(x_BKNJD: Array, idx_BCKS: Array) -> Array:
+    """[B,K,N,J,D] by [B,C,K,S] -> [B,K,C,S,J,D] (the backward is a scatter-add)."""
+    idx_BKCS = jnp.transpose(jnp.maximum(idx_BCKS, 0), (0, 2, 1, 3))
+    return jax.vmap(jax.vmap(lambda x_NJD, i_CS: x_NJD[i_CS]))(x_BKNJD, idx_BKCS)
+
+
+def _chunk(qraw_BCKGD: Array, k_BKNJD: Array, v_BKNJD: Array, ksum_BNKD: Array, query_start, *, block: int, top: int):
+    """Outputs [B,C,K,G,D] and lse [B,C,K,G] of queries query_start + [0, C) (q not yet scaled)."""
+    idx_BCKS = _select(qraw_BCKGD, ksum_BNKD, query_start, block=block, top=top)
+    # the same rounding as group_queries, so the scores match every other path's
+    q_BCKGD = (qraw_BCKGD * (1.0 / math.sqrt(qraw_BCKGD.shape[-1]))).astype(qraw_BCKGD.dtype)
+    k_BKCSJD, v_BKCSJD = _gather_blocks(k_BKNJD, idx_BCKS), _gather_blocks(v_BKNJD, idx_BCKS)
+    s_BKGCSJ = jnp.einsum("bckgd,bkcsjd->bkgcsj", q_BCKGD, k_BKCSJD, preferred_element_type=stats_dtype(q_BCKGD))
+    pos_C = query_start + jnp.arange(q_BCKGD.shape[1])
+    key_BCKSJ = idx_BCKS[..., None] * block + jnp.arange(block)
+    # filled slot, and causal: only the own block can reach past the query
+    valid_BCKSJ = (idx_BCKS[..., None] >= 0) & (key_BCKSJ <= pos_C[None, :, None, None, None])
+    valid_BK1CSJ = jnp.transpose(valid_BCKSJ, (0, 2, 1, 3, 4))[:, :, None]
+    b, k, g, c, s, j = s_BKGCSJ.shape
+    p, lse_BKGC = masked_softmax(s_BKGCSJ.reshape(b, k, g, c, s * j), valid_BK1CSJ.reshape(b, k, 1, c, s * j))
+    o_BCKGD = jnp.einsum("bkgcsj,bkcsjd->bckgd", p.reshape(s_BKGCSJ.shape), v_BKCSJD.astype(p.dtype))
+    return o_BCKGD, jnp.transpose(lse_BKGC, (0, 3, 1, 2))
+
+
+def _layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
+    """(chunk, padded length): the chunk is a multiple of the block, the length of the chunk."""
+    t_blocks = -(-t // block) * block
+    chunk = min(max(1, query_chunk // block) * block, t_blocks)
+    return chunk, -(-t // chunk) * chunk
+
+
+def _num_top(t: int, block: int, num_blocks: int) -> int:
+    """Slots for earlier blocks: S-1, capped at the most any query can have (N-1)."""
+    return min(num_blocks - 1, -(-t // block) - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk"))
+def block_sparse_attention_xla(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, return_lse: bool = False,
+                               query_chunk: int = QUERY_CHUNK):
+    """The XLA program behind :func:`block_sparse_attention` (no argument checks)."""
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    chunk, t_pad = _layout(t, block_size, query_chunk)
+    top = _num_top(t, block_size, num_blocks)
+    # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
+    q, k, v = (_pad_to(x, t_pad) for x in (q, k, v))
+    q_BTKGD = q.reshape(b, t_pad, kh, h // kh, d)
+    n = t_pad // block_size
+    k_BKNJD, v_BKNJD = (jnp.transpose(x.reshape(b, n, block_size, kh, d), (0, 3, 1, 2, 4)) for x in (k, v))
+    ksum_BNKD = _block_sums(k, block_size)
+    body = functools.partial(_chunk, block=block_size, top=top)
+    if t_pad == chunk:
+        o_BTKGD, lse_BTKG = body(q_BTKGD, k_BKNJD, v_BKNJD, ksum_BNKD, 0)
+    else:
+        m = t_pad // chunk
+        q_MBCKGD = jnp.moveaxis(q_BTKGD.reshape(b, m, chunk, *q_BTKGD.shape[2:]), 1, 0)
+        step = jax.checkpoint(lambda xs: body(xs[0], k_BKNJD, v_BKNJD, ksum_BNKD, xs[1]))
+        o_M, lse_M = jax.lax.map(step, (q_MBCKGD, jnp.arange(m, dtype=jnp.int32) * chunk))
+        o_BTKGD = jnp.moveaxis(o_M, 0, 1).reshape(b, t_pad, *q_BTKGD.shape[2:])
+        lse_BTKG = jnp.moveaxis(lse_M, 0, 1).reshape(b, t_pad, *q_BTKGD.shape[2:4])
+    return finish(o_BTKGD, lse_BTKG, q[:, :t], return_lse)
+
+
+def _check_budget(block_size, num_blocks) -> None:
+    for name, x in (("block_size", block_size), ("num_blocks", num_blocks)):
+        if not isinstance(x, int | np.integer) or isinstance(x, bool) or x < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+
+
+def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, return_lse: bool = False):
+    """Causal block-sparse attention: each query attends its own block (up to itself) and the
+    ``num_blocks - 1`` earlier blocks of ``block_size`` keys whose mean key scores highest
+    against the query (summed over the query heads of its KV group; ties to the lower block).
+
+    q [B,T,H,D], k/v [B,T,K,D] with RoPE applied; scale 1/sqrt(D); output in q's dtype, and
+    lse [B,T,H] float32 with ``return_lse=True``. ``num_blocks >= ceil(T / block_size)`` is
+    dense causal attention.
+    """
+    check_qkv(q, k, v)
+    _check_budget(block_size, num_blocks)
+    return block_sparse_attention_xla(q, k, v, block_size=int(block_size), num_blocks=int(num_blocks), return_lse=return_lse)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks"))
+def _select_all(q: Array, k: Array, *, block_size: int, num_blocks: int) -> Array:
+    b, t, h, d = q.shape
+    _, t_pad = _layout(t, block_size, t)
+    q, k = _pad_to(q, t_pad), _pad_to(k, t_pad)
+    idx = _select(q.reshape(b, t_pad, k.shape[2], h // k.shape[2], d), _block_sums(k, block_size), 0,
+                  block=block_size, top=_num_top(t, block_size, num_blocks))
+    return idx[:, :t]
+
+
+def select_blocks(q: Array, k: Array, *, block_size: int, num_blocks: int) -> Array:
+    """The blocks each (batch, query, KV head) attends: int32 [B,T,K,S'], S' = min(S, ceil(T/B)).
+
+    Slot 0 is the query's own block; then the chosen earlier blocks, best score first (equal
+    scores: lower block first); -1 fills slots a query cannot use (fewer earlier blocks than S-1).
+    The same choice :func:`block_sparse_attention` makes (scale-free: q is not pre-scaled here).
+    """
+    check_qkv(q, k, k)
+    _check_budget(block_size, num_blocks)
+    return _select_all(q, k, block_size=int(block_size), num_blocks=int(num_blocks))
+
+
+def dropped_mass(lse_sparse: Array, lse_full: Array, axis=None) -> Array:
+    """Softmax mass full attention puts on keys a sparse pattern skips, 1 - exp(lse_sparse -
+    lse_full), averaged over ``axis`` (None: every element), float32.
+
+    Valid when the sparse key set is a subset of the full one (then lse_sparse <= lse_full; the
+    difference is clipped at 0 against rounding, so the result lies in [0, 1]). A row whose full
+    set is empty (lse_full = -inf) drops nothing; a sparse row with no key drops everything.
+    """
+    lse_sparse, lse_full = jnp.asarray(lse_sparse, jnp.float32), jnp.asarray(lse_full, jnp.float32)
+    finite = jnp.isfinite(lse_full)
+    diff = jnp.minimum(lse_sparse - jnp.where(finite, lse_full, 0.0), 0.0)
+    per_row = jnp.where(finite, -jnp.expm1(diff), 0.0)
+    return jnp.mean(per_row, axis=axis)

@@ -1,0 +1,214 @@
+"""Block-sparse attention against the loop-and-mask reference (tests/block_oracle.py).
+
+Inputs are dyadic (multiples of 1/8, tests/block_oracle.dyadic_qkv): every selection score is
+then exact in float32 and in the float64 loops, so the selections must agree exactly, ties
+included. Outputs, lse and gradients use the same per-dtype tolerances as the other paths
+(tests/oracle.py: fp32 2e-5 / grads 1e-4; bf16 3e-2 / grads 8e-2).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fibjax.attention import dense_attention
+from fibjax.attention.block_sparse import block_sparse_attention, block_sparse_attention_xla, dropped_mass, select_blocks
+from tests import block_oracle as bo
+
+KEY = jax.random.PRNGKey(0)
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "query_chunk"))
+def _grads(q, k, v, w, *, block_size, num_blocks, query_chunk=512):
+    f = lambda q, k, v: jnp.sum(block_sparse_attention_xla(q, k, v, block_size=block_size, num_blocks=num_blocks, query_chunk=query_chunk).astype(jnp.float32) * w)
+    return jax.grad(f, (0, 1, 2))(q, k, v)
+
+
+def _reference_grads(q, k, v, w, block_size, num_blocks):
+    chosen = bo.selected_blocks(q, k, block_size, num_blocks)  # selection has no gradient
+    f = lambda q, k, v: jnp.sum(bo.block_sparse_reference(q, k, v, block_size, num_blocks, chosen)[0] * w)
+    return jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+
+
+# (batch, T, q heads, kv heads, head dim, block, S): ragged tails, GQA, MHA, S above and below N
+CASES = [(2, 45, 6, 2, 8, 4, 3), (1, 64, 4, 1, 16, 8, 4), (2, 33, 2, 2, 4, 5, 2), (1, 70, 4, 2, 8, 3, 6)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_selection_matches_oracle_and_is_ordered(case):
+    b, t, h, kh, d, block, s = case
+    q, k, _ = bo.dyadic_qkv(KEY, b, t, h, kh, d)
+    idx = np.asarray(select_blocks(q, k, block_size=block, num_blocks=s))
+    n = -(-t // block)
+    assert idx.shape == (b, t, kh, min(s, n)) and idx.dtype == np.int32
+    np.testing.assert_array_equal(bo.indices_to_blocks(idx, n), bo.selected_blocks(q, k, block, s))
+    assert np.all(idx[..., 0] == (np.arange(t) // block)[None, :, None])  # slot 0: own block
+    scores = bo.selection_scores(q, k, block)
+    for bi, i, kv in np.ndindex(b, t, kh):
+        rest = idx[bi, i, kv, 1:]
+        filled = rest[rest >= 0]
+        assert np.all(rest[len(filled):] == -1)  # empty slots only at the end
+        assert len(filled) == min(s - 1, i // block)
+        sc = scores[bi, i, kv, filled]
+        assert np.all((sc[:-1] > sc[1:]) | ((sc[:-1] == sc[1:]) & (filled[:-1] < filled[1:])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_oracle(dtype, case):
+    b, t, h, kh, d, block, s = case
+    q, k, v = bo.dyadic_qkv(KEY, b, t, h, kh, d, dtype)
+    out, lse = block_sparse_attention(q, k, v, block_size=block, num_blocks=s, return_lse=True)
+    ref, ref_lse = bo.block_sparse_reference(q, k, v, block, s)
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+    _close(out, ref, bo.TOL[dtype])
+    _close(lse, ref_lse, bo.TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES[:2])
+def test_gradients_match_oracle(dtype, case):
+    b, t, h, kh, d, block, s = case
+    q, k, v = bo.dyadic_qkv(KEY, b, t, h, kh, d, dtype)
+    w = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+    got = _grads(q, k, v, w, block_size=block, num_blocks=s)
+    ref = _reference_grads(q, k, v, w, block, s)
+    for g, r in zip(got, ref):
+        assert g.dtype == dtype
+        _close(g, r, bo.GRAD_TOL[dtype])
+
+
+def test_query_chunks_change_nothing():
+    """The lax.map path (several chunks, ragged padding) equals one chunk, forward and backward."""
+    q, k, v = bo.dyadic_qkv(KEY, 2, 45, 6, 2, 8)
+    w = jax.random.normal(jax.random.PRNGKey(2), q.shape)
+    one = block_sparse_attention_xla(q, k, v, block_size=4, num_blocks=3, return_lse=True)
+    for chunk in (4, 8, 12):
+        many = block_sparse_attention_xla(q, k, v, block_size=4, num_blocks=3, return_lse=True, query_chunk=chunk)
+        for a, r in zip(many, one):
+            _close(a, r, bo.TOL[jnp.float32])
+        for a, r in zip(_grads(q, k, v, w, block_size=4, num_blocks=3, query_chunk=chunk), _grads(q, k, v, w, block_size=4, num_blocks=3)):
+            _close(a, r, bo.GRAD_TOL[jnp.float32])
+
+
+def test_one_block_is_own_block_only():
+    """S = 1: block-diagonal causal attention; with B = 1 every query sees only itself."""
+    q, k, v = bo.dyadic_qkv(KEY, 2, 29, 4, 2, 8)
+    t = q.shape[1]
+    idx = np.asarray(select_blocks(q, k, block_size=6, num_blocks=1))
+    assert idx.shape[-1] == 1 and np.all(idx[..., 0] == (np.arange(t) // 6)[None, :, None])
+    own = np.zeros((2, t, 2, 5), bool)
+    own[:, np.arange(t), :, np.arange(t) // 6] = True
+    ref, _ = bo.block_sparse_reference(q, k, v, 6, 1, chosen=own)
+    _close(block_sparse_attention(q, k, v, block_size=6, num_blocks=1), ref, bo.TOL[jnp.float32])
+    _close(block_sparse_attention(q, k, v, block_size=1, num_blocks=1), jnp.repeat(v, 2, axis=2), bo.TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_enough_blocks_is_dense(dtype):
+    q, k, v = bo.dyadic_qkv(KEY, 2, 50, 4, 2, 8, dtype)
+    ref, ref_lse = dense_attention(q, k, v, return_lse=True)
+    for block, s in ((8, 7), (8, 100), (50, 1), (64, 1), (1, 50)):
+        out, lse = block_sparse_attention(q, k, v, block_size=block, num_blocks=s, return_lse=True)
+        _close(out, ref, bo.TOL[dtype])
+        _close(lse, ref_lse, bo.TOL[dtype])
+
+
+def test_ties_go_to_the_lower_block():
+    t, block = 40, 4  # 10 blocks
+    q, _, v = bo.dyadic_qkv(KEY, 1, t, 4, 2, 8)
+    # every block equal: all scores tie, so query block c keeps blocks 0 .. S-2
+    k = jnp.tile(bo.dyadic_qkv(jax.random.PRNGKey(5), 1, block, 4, 2, 8)[1], (1, t // block, 1, 1))
+    idx = np.asarray(select_blocks(q, k, block_size=block, num_blocks=4))
+    for i in range(t):
+        c = i // block
+        assert list(idx[0, i, 0]) == [c, *range(min(3, c)), *[-1] * (3 - min(3, c))]
+    # two equal best blocks (1 and 3) and a worse one (2): S = 2 keeps block 1
+    k = jnp.zeros((1, t, 2, 8)).at[:, 4:8].set(1.0).at[:, 12:16].set(1.0).at[:, 8:12].set(0.5)
+    q = jnp.ones((1, t, 4, 8))
+    idx = np.asarray(select_blocks(q, k, block_size=block, num_blocks=2))
+    assert np.all(idx[0, 16:, :, 1] == 1) and np.all(idx[0, 8:12, :, 1] == 1) and np.all(idx[0, 12:16, :, 1] == 1)
+    out = block_sparse_attention(q, k, v, block_size=block, num_blocks=2)
+    ref, _ = bo.block_sparse_reference(q, k, v, block, 2)
+    _close(out, ref, bo.TOL[jnp.float32])
+
+
+def test_selection_is_per_kv_head_over_the_group_sum():
+    """Two query heads of one group: the group's summed score decides, not either head alone."""
+    t, block = 12, 4
+    q = jnp.zeros((1, t, 2, 2)).at[:, :, 0, 0].set(1.0).at[:, :, 1, 1].set(3.0)
+    k = jnp.zeros((1, t, 1, 2)).at[:, 0:4, 0, 0].set(2.0).at[:, 4:8, 0, 1].set(1.0)
+    # head 0 alone prefers block 0 (2 vs 0), head 1 alone block 1 (0 vs 3); the sum: 2 vs 3
+    idx = np.asarray(select_blocks(q, k, block_size=block, num_blocks=2))
+    assert np.all(idx[0, 8:, 0] == [2, 1])
+
+
+def test_causality():
+    t, p = 48, 29
+    q, k, v = bo.dyadic_qkv(KEY, 1, t, 4, 2, 8)
+    noise = bo.dyadic_qkv(jax.random.PRNGKey(9), 1, t, 4, 2, 8)
+    changed = [x.at[:, p:].set(n[:, p:]) for x, n in zip((q, k, v), noise)]
+    f = lambda q, k, v: block_sparse_attention(q, k, v, block_size=4, num_blocks=3)
+    a, b = f(q, k, v), f(*changed)
+    np.testing.assert_array_equal(np.asarray(a[:, :p]), np.asarray(b[:, :p]))
+    assert not np.allclose(a[:, p:], b[:, p:])
+
+
+def test_bad_arguments_raise():
+    q, k, v = bo.dyadic_qkv(KEY, 1, 16, 4, 2, 8)
+    for bad in (dict(block_size=0, num_blocks=2), dict(block_size=4, num_blocks=0), dict(block_size=4.0, num_blocks=2)):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            block_sparse_attention(q, k, v, **bad)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        block_sparse_attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), block_size=4, num_blocks=2)
+
+
+# --- dropped mass -------------------------------------------------------------------------
+
+
+def test_dropped_mass_matches_direct_computation():
+    q, k, v = bo.dyadic_qkv(KEY, 2, 40, 4, 2, 8)
+    _, lse_full = dense_attention(q, k, v, return_lse=True)
+    for block, s in ((4, 2), (4, 4), (8, 1), (5, 3)):
+        _, lse_sparse = block_sparse_attention(q, k, v, block_size=block, num_blocks=s, return_lse=True)
+        got = float(dropped_mass(lse_sparse, lse_full))
+        want = bo.direct_dropped_mass(q, k, bo.selected_blocks(q, k, block, s), block)
+        assert 0.0 < got < 1.0
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    _, lse_sparse = block_sparse_attention(q, k, v, block_size=4, num_blocks=10, return_lse=True)
+    assert float(dropped_mass(lse_sparse, lse_full)) == pytest.approx(0.0, abs=1e-6)
+    per_head = dropped_mass(lse_sparse, lse_full, axis=(0, 1))
+    assert per_head.shape == (4,) and np.all(np.asarray(per_head) >= 0)
+
+
+def test_dropped_mass_edges():
+    full = jnp.array([0.0, 1.0, 2.0, -jnp.inf])
+    sparse = jnp.array([0.0 + 1e-7, -jnp.inf, 2.0 - np.log(2.0), -jnp.inf])
+    # rounding above full -> 0; empty sparse row -> 1; half the mass -> 0.5; empty full row -> 0
+    np.testing.assert_allclose(np.asarray(dropped_mass(sparse, full, axis=0)), 1.5 / 4, rtol=1e-6)
+    rows = jax.vmap(lambda s, f: dropped_mass(s, f))(sparse, full)
+    np.testing.assert_allclose(np.asarray(rows), [0.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b=st.integers(1, 2), t=st.integers(1, 60), kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
+    d=st.sampled_from([2, 8]), block=st.integers(1, 9), s=st.integers(1, 8), seed=st.integers(0, 2**16),
+)
+def test_hypothesis_shapes(b, t, kv, g, d, block, s, seed):
+    q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(seed), b, t, kv * g, kv, d)
+    chosen = bo.selected_blocks(q, k, block, s)
+    np.testing.assert_array_equal(bo.indices_to_blocks(select_blocks(q, k, block_size=block, num_blocks=s), chosen.shape[-1]), chosen)
+    out, lse = block_sparse_attention_xla(q, k, v, block_size=block, num_blocks=s, return_lse=True, query_chunk=2 * block)
+    ref, ref_lse = bo.block_sparse_reference(q, k, v, block, s, chosen)
+    _close(out, ref, bo.TOL[jnp.float32])
+    _close(lse, ref_lse, bo.TOL[jnp.float32])
