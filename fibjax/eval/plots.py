@@ -1,0 +1,223 @@
+"""The report's plots: perplexity vs length, NLL by position, alpha per layer, training loss.
+
+Every run keeps one colour and marker in every plot (Okabe-Ito, a colour-blind-safe palette;
+markers tell lines apart in grey-scale too). Figures are built with the object API
+(``matplotlib.figure.Figure``), so nothing touches pyplot's global state or needs a display.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+# Okabe & Ito (2008), yellow last: it is hard to see on white.
+PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", ":", "-.")
+STYLE = {
+    "font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 10, "figure.titlesize": 14,
+    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "savefig.dpi": 150,
+}
+GUIDE = "#666666"  # reference lines (training length, zero gap)
+
+
+@dataclass(frozen=True)
+class RunStyle:
+    color: str
+    marker: str
+    linestyle: str
+
+
+def run_styles(labels: list[str]) -> dict[str, RunStyle]:
+    """A fixed style per run, in the order given (runs beyond 8 change line style)."""
+    n = len(PALETTE)
+    return {label: RunStyle(PALETTE[i % n], MARKERS[i % n], LINESTYLES[(i // n) % len(LINESTYLES)]) for i, label in enumerate(labels)}
+
+
+def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tuple[str, Path]]:
+    """Every plot that the runs have data for: (title, path) in report order."""
+    styles = run_styles([r.label for r in runs])
+    made = []
+    with matplotlib.rc_context(STYLE):
+        for title, name, fn in (
+            ("Perplexity vs evaluation length", "ppl_vs_length.png", lambda p: plot_ppl_vs_length(runs, datasets, p, styles)),
+            ("NLL by position in the window", "posloss.png", lambda p: plot_posloss(runs, datasets, p, styles, reference)),
+            ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
+            ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles)),
+        ):
+            if fn(out / name):
+                made.append((title, out / name))
+    return made
+
+
+def _panels(n: int, *, rows: int = 1, width: float = 6.0, height: float = 4.2) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width * n, height * rows + 0.6), layout="constrained")
+    return fig, np.atleast_2d(fig.subplots(rows, n, squeeze=False))
+
+
+def _legend(fig: Figure, axes) -> None:
+    """One legend for the figure, under the panels, from the first panel's labelled lines."""
+    handles, labels = {}, {}
+    for ax in np.ravel(axes):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+            labels.setdefault(lab, lab)
+    if handles:
+        fig.legend(list(handles.values()), list(labels), loc="outside lower center", ncols=min(4, len(handles)), frameon=False)
+
+
+def _save(fig: Figure, path: Path) -> bool:
+    fig.savefig(path)
+    return True
+
+
+def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle]) -> bool:
+    fig, axes = _panels(len(datasets))
+    train_lens = sorted({r.train_len for r in runs})
+    for ax, d in zip(axes[0], datasets, strict=True):
+        lengths, ppls = set(), []
+        for r in runs:
+            rows = r.rows(d)
+            if not rows:
+                continue
+            s = styles[r.label]
+            x = [row["length"] for row in rows]
+            y = [row["ppl"] for row in rows]
+            ax.plot(x, y, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=r.label)
+            lengths.update(x)
+            ppls += y
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted(lengths)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+        if ppls and max(ppls) / min(ppls) > 3:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+        for t in train_lens:
+            ax.axvline(t, color=GUIDE, linestyle=":", linewidth=1.2, zorder=0)
+            ax.annotate(f"trained at {t}", (t, 1), xycoords=("data", "axes fraction"), xytext=(4, -4),
+                        textcoords="offset points", va="top", fontsize=9, color=GUIDE)
+        if len(lengths) > 1:
+            lo, hi = min(lengths), max(lengths)
+            ax.set_xlim(lo / 1.25, hi * 1.25)
+        ax.set_title(d)
+        ax.set_xlabel("evaluation length (tokens, log scale)")
+    axes[0][0].set_ylabel("perplexity (lower is better)")
+    fig.suptitle("Perplexity vs evaluation length")
+    _legend(fig, axes)
+    return _save(fig, path)
+
+
+def _bin_ticks(runs, nbins: int) -> tuple[list[str], str]:
+    """Tick labels: the token positions of each bin when every run shares its training length."""
+    lens = {r.train_len for r in runs}
+    if len(lens) != 1:
+        return [str(i + 1) for i in range(nbins)], "position bin (1 = start of the window)"
+    edges = [math.ceil(i * next(iter(lens)) / nbins) for i in range(nbins + 1)]
+    return [f"{edges[i]}–{edges[i + 1] - 1}" for i in range(nbins)], "token position in the window"
+
+
+def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle], reference=None) -> bool:
+    has = [d for d in datasets if any(r.at_train_len(d) for r in runs)]
+    if not has:
+        return False
+    fig, axes = _panels(len(has), rows=2 if reference else 1, height=3.8)
+    nbins = max(len(r.at_train_len(d)["bin_nll"]) for d in has for r in runs if r.at_train_len(d))
+    ticks, xlabel = _bin_ticks(runs, nbins)
+    for j, d in enumerate(has):
+        ref_row = reference.at_train_len(d) if reference else None
+        for r in runs:
+            row = r.at_train_len(d)
+            if row is None:
+                continue
+            s = styles[r.label]
+            x = np.arange(1, len(row["bin_nll"]) + 1)
+            kw = {"color": s.color, "marker": s.marker, "linestyle": s.linestyle, "linewidth": 2, "markersize": 6, "label": r.label}
+            axes[0][j].plot(x, row["bin_nll"], **kw)
+            if ref_row is not None and r is not reference and r.train_len == reference.train_len and len(row["bin_nll"]) == len(ref_row["bin_nll"]):
+                axes[1][j].plot(x, np.subtract(row["bin_nll"], ref_row["bin_nll"]), **kw)
+        axes[0][j].set_title(d)
+        axes[0][0].set_ylabel("NLL (nats per token)")
+        if reference:
+            gap_ax = axes[1][j]
+            gap_ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
+            gap_ax.set_title(f"{d}: minus {reference.label} (> 0: worse)", fontsize=11)
+            axes[1][0].set_ylabel("NLL gap (nats per token)")
+        for ax in axes[:, j]:
+            ax.set_xticks(np.arange(1, nbins + 1), ticks, rotation=30 if len(ticks[0]) > 5 else 0)
+        axes[-1][j].set_xlabel(xlabel)
+    lens = sorted({r.train_len for r in runs})
+    fig.suptitle(f"NLL by position, windows of the training length ({', '.join(map(str, lens))} tokens)")
+    _legend(fig, axes)
+    return _save(fig, path)
+
+
+def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    with_alpha = [r for r in runs if any(a is not None for a in r.report["alphas"])]
+    if not with_alpha:
+        return False
+    fig, axes = _panels(1, width=7.0)
+    ax = axes[0][0]
+    ax.axhspan(0.5, 1.5, color="#000000", alpha=0.04, zorder=0, label="_range")
+    for r in with_alpha:
+        s = styles[r.label]
+        alphas = r.report["alphas"]
+        layers = np.arange(len(alphas))
+        init = r.initial_alphas()
+        ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7,
+                label=r.label + (" (learned)" if init else ""))
+        if init:
+            ax.plot(layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7,
+                    markerfacecolor="white", label=f"{r.label} (init)")
+    n = max(len(r.report["alphas"]) for r in with_alpha)
+    ax.set_xticks(range(n))
+    ax.set_ylim(0.42, 1.58)
+    ax.set_xlabel("layer (0 = first)")
+    ax.set_ylabel("alpha (rung scale)")
+    ax.set_title("shaded: the allowed range 0.5–1.5; dashed, open markers: initial value of a learned run", fontsize=10)
+    fig.suptitle("Alpha per layer")
+    _legend(fig, axes)
+    return _save(fig, path)
+
+
+def smooth(values: list[float], span: int) -> np.ndarray:
+    """Exponential moving average with the bias of its zero start removed."""
+    beta = 1.0 - 2.0 / (span + 1)
+    out, acc = np.empty(len(values)), 0.0
+    for i, v in enumerate(values):
+        acc = beta * acc + (1 - beta) * v
+        out[i] = acc / (1 - beta ** (i + 1))
+    return out
+
+
+def plot_loss(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    with_metrics = [r for r in runs if any("loss" in m for m in r.metrics)]
+    if not with_metrics:
+        return False
+    fig, axes = _panels(1, width=7.5)
+    ax = axes[0][0]
+    span = max(5, max(len(r.metrics) for r in with_metrics) // 10)
+    for r in with_metrics:
+        rows = [m for m in r.metrics if "loss" in m and "step" in m]
+        steps = np.array([m["step"] for m in rows])
+        loss = [m["loss"] for m in rows]
+        s = styles[r.label]
+        ax.plot(steps, loss, color=s.color, linewidth=0.8, alpha=0.25)
+        ax.plot(steps, smooth(loss, span), color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
+    all_loss = np.concatenate([[m["loss"] for m in r.metrics if "loss" in m] for r in with_metrics])
+    if all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5:
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss (nats per token)")
+    ax.set_title(f"faint: every step; bold: moving average over ~{span} steps", fontsize=10)
+    fig.suptitle("Training loss")
+    _legend(fig, axes)
+    return _save(fig, path)
