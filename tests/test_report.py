@@ -38,8 +38,9 @@ def fake_run(root, name, *, datasets, attention=None, alphas=(0.5, 1.0, 1.5), st
     return workdir
 
 
-@pytest.fixture
-def runs(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("runs")
     fixed_bins = [b + g for b, g in zip(STAGGER_BINS, PAPER_GAP, strict=True)]
     learned_attn = {**ATTN, "alpha": "learned"}
     return [
@@ -52,14 +53,20 @@ def runs(tmp_path):
     ]
 
 
+@pytest.fixture(scope="module")
+def built(runs, tmp_path_factory):
+    """The report on the four fake runs, plots included, built once for the tests that read it."""
+    out = tmp_path_factory.mktemp("report")
+    return rep.build_report(runs, out, reference="fib_stagger"), out
+
+
 def read_csv(path):
     with path.open() as f:
         return list(csv.DictReader(f))
 
 
-def test_tables_match_the_paper_numbers(runs, tmp_path):
-    out = tmp_path / "out"
-    report = rep.build_report(runs, out, reference="fib_stagger", plots=False)
+def test_tables_match_the_paper_numbers(built):
+    report, out = built
     tables = {t.name: t for t in report.tables}
 
     matrix = {r[0]: r for r in tables["matrix"].rows}
@@ -86,9 +93,8 @@ def test_tables_match_the_paper_numbers(runs, tmp_path):
     assert "dense" in tables["alpha"].notes[0] and not any(r[0] == "dense" for r in tables["alpha"].rows)
 
 
-def test_csvs_parse_and_markdown_links_everything(runs, tmp_path):
-    out = tmp_path / "out"
-    report = rep.build_report(runs, out, reference="fib_stagger")
+def test_csvs_parse_and_markdown_links_everything(built):
+    report, out = built
     assert len(read_csv(out / "matrix.csv")) == 4
     assert len(read_csv(out / "extrap.csv")) == 3 * 2 * 3 + 3  # 3 runs x 2 datasets x 3 lengths + learned on one
     assert len(read_csv(out / "posloss.csv")) == 8 * 7
@@ -100,9 +106,8 @@ def test_csvs_parse_and_markdown_links_everything(runs, tmp_path):
     assert report.markdown == md
 
 
-def test_plots_are_real_images(runs, tmp_path):
-    out = tmp_path / "out"
-    rep.build_report(runs, out, reference="fib_stagger")
+def test_plots_are_real_images(built):
+    _, out = built
     for name in ("ppl_vs_length.png", "posloss.png", "alpha.png", "loss.png"):
         path = out / name
         assert path.stat().st_size > 20_000, name
@@ -143,7 +148,7 @@ def test_same_run_name_twice_is_told_apart(tmp_path):
 def test_gap_only_between_runs_of_the_same_training_length(tmp_path):
     a = fake_run(tmp_path, "a", datasets={"d": rows_for([5.0])})
     b = fake_run(tmp_path, "b", train_len=512, datasets={"d": rows_for([6.0], train_len=512)})
-    table = rep.build_report([a, b], tmp_path / "out", reference="a").tables[2]
+    table = rep.build_report([a, b], tmp_path / "out", reference="a", plots=False).tables[2]
     assert [r[2] for r in table.rows] == ["NLL", "NLL"]
 
 
@@ -178,9 +183,10 @@ def test_malformed_eval_json_is_an_error_naming_the_file(tmp_path, content, matc
 
 
 def test_other_input_errors(runs, tmp_path):
-    (runs[1] / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n')
+    broken = fake_run(tmp_path, "broken", datasets={"d": rows_for([5.0])})
+    (broken / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n')
     with pytest.raises(rep.ReportError, match=r"metrics.jsonl:2: not valid JSON"):
-        rep.build_report([runs[1]], tmp_path / "out")
+        rep.build_report([broken], tmp_path / "out")
     with pytest.raises(rep.ReportError, match="no such run directory"):
         rep.build_report([tmp_path / "nope"], tmp_path / "out")
     with pytest.raises(rep.ReportError, match=r"--reference nope.*fib_fixed"):
@@ -191,10 +197,10 @@ def test_other_input_errors(runs, tmp_path):
 
 def test_cli_prints_tables_and_paths(runs, tmp_path, capsys):
     out = tmp_path / "out"
-    assert launch_report.main([*map(str, runs), "--out", str(out), "--reference", "fib_stagger", "--dataset", "fineweb"]) == 0
+    assert launch_report.main([*map(str, runs), "--out", str(out), "--reference", "fib_stagger", "--dataset", "fineweb", "--no-plots"]) == 0
     text = capsys.readouterr().out
-    assert "42.02 / 41.65 / 41.45 (-1.4%)" in text and "minus fib_stagger" in text
-    assert str(out / "report.md") in text and str(out / "loss.png") in text
+    assert "42.02 / 41.65 / 41.45 (-1.4%)" in text and "minus fib_stagger" in text and "| wiki" not in text
+    assert str(out / "report.md") in text and str(out / "extrap.csv") in text and ".png" not in text
 
 
 @pytest.mark.slow

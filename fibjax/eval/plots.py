@@ -49,7 +49,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Perplexity vs evaluation length", "ppl_vs_length.png", lambda p: plot_ppl_vs_length(runs, datasets, p, styles)),
             ("NLL by position in the window", "posloss.png", lambda p: plot_posloss(runs, datasets, p, styles, reference)),
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
-            ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles)),
+            ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
         ):
             if fn(out / name):
                 made.append((title, out / name))
@@ -164,15 +164,13 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
         return False
     fig, axes = _panels(1, width=7.0)
     ax = axes[0][0]
-    ax.axhspan(0.5, 1.5, color="#000000", alpha=0.04, zorder=0, label="_range")
-    for r in with_alpha:
+    ax.axhspan(0.5, 1.5, color="#000000", alpha=0.04, zorder=0)
+    for i, r in enumerate(with_alpha):
         s = styles[r.label]
         alphas = r.report["alphas"]
-        layers = np.arange(len(alphas))
-        init = r.initial_alphas()
-        ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7,
-                label=r.label + (" (learned)" if init else ""))
-        if init:
+        layers = np.arange(len(alphas)) + 0.08 * (i - (len(with_alpha) - 1) / 2)  # dodge: equal schedules stay visible
+        ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=r.label)
+        if init := r.initial_alphas():
             ax.plot(layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7,
                     markerfacecolor="white", label=f"{r.label} (init)")
     n = max(len(r.report["alphas"]) for r in with_alpha)
@@ -180,44 +178,62 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     ax.set_ylim(0.42, 1.58)
     ax.set_xlabel("layer (0 = first)")
     ax.set_ylabel("alpha (rung scale)")
-    ax.set_title("shaded: the allowed range 0.5–1.5; dashed, open markers: initial value of a learned run", fontsize=10)
+    note = "shaded: the allowed range 0.5–1.5; open markers: a learned run's initial value"
+    no_alpha = [r.label for r in runs if r not in with_alpha]
+    ax.set_title(note + (f"\nnot shown (dense): {', '.join(no_alpha)}" if no_alpha else ""), fontsize=10)
     fig.suptitle("Alpha per layer")
     _legend(fig, axes)
     return _save(fig, path)
 
 
-def smooth(values: list[float], span: int) -> np.ndarray:
-    """Exponential moving average with the bias of its zero start removed."""
-    beta = 1.0 - 2.0 / (span + 1)
-    out, acc = np.empty(len(values)), 0.0
-    for i, v in enumerate(values):
-        acc = beta * acc + (1 - beta) * v
-        out[i] = acc / (1 - beta ** (i + 1))
-    return out
+def smooth(values, window: int) -> np.ndarray:
+    """Centred moving average (no lag); near the ends it averages the points that exist."""
+    values = np.asarray(values, dtype=float)
+    kernel = np.ones(min(window, len(values)))
+    return np.convolve(values, kernel, "same") / np.convolve(np.ones_like(values), kernel, "same")
 
 
-def plot_loss(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = [m for m in run.metrics if "loss" in m and "step" in m]
+    loss = np.array([m["loss"] for m in rows])
+    return np.array([m["step"] for m in rows]), loss, smooth(loss, window)
+
+
+def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> bool:
     with_metrics = [r for r in runs if any("loss" in m for m in r.metrics)]
     if not with_metrics:
         return False
-    fig, axes = _panels(1, width=7.5)
+    gap = reference in with_metrics and len(with_metrics) > 1
+    fig, axes = _panels(2 if gap else 1, width=6.5 if gap else 7.5)
+    window = max(5, max(len(r.metrics) for r in with_metrics) // 20) | 1
+    curves = {r.label: _loss_curve(r, window) for r in with_metrics}
     ax = axes[0][0]
-    span = max(5, max(len(r.metrics) for r in with_metrics) // 10)
     for r in with_metrics:
-        rows = [m for m in r.metrics if "loss" in m and "step" in m]
-        steps = np.array([m["step"] for m in rows])
-        loss = [m["loss"] for m in rows]
-        s = styles[r.label]
+        s, (steps, loss, smoothed) = styles[r.label], curves[r.label]
         ax.plot(steps, loss, color=s.color, linewidth=0.8, alpha=0.25)
-        ax.plot(steps, smooth(loss, span), color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
-    all_loss = np.concatenate([[m["loss"] for m in r.metrics if "loss" in m] for r in with_metrics])
+        ax.plot(steps, smoothed, color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
+    all_loss = np.concatenate([c[1] for c in curves.values()])
     if all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("training step")
     ax.set_ylabel("training loss (nats per token)")
-    ax.set_title(f"faint: every step; bold: moving average over ~{span} steps", fontsize=10)
+    ax.set_title(f"faint: every step\nbold: centred mean over {window} steps", fontsize=10)
+    if gap:
+        ref_steps, ref_loss, _ = curves[reference.label]
+        gap_window = max(window, len(ref_steps) // 8) | 1  # the same batches: per-step differences, smoothed more
+        gap_ax = axes[0][1]
+        gap_ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
+        for r in with_metrics:
+            if r is reference:
+                continue
+            s, (steps, loss, _) = styles[r.label], curves[r.label]
+            common, i, j = np.intersect1d(steps, ref_steps, return_indices=True)
+            gap_ax.plot(common, smooth(loss[i] - ref_loss[j], gap_window), color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
+        gap_ax.set_xlabel("training step")
+        gap_ax.set_ylabel("loss gap (nats per token)")
+        gap_ax.set_title(f"loss minus {reference.label}'s at the same step (> 0: worse)\ncentred mean over {gap_window} steps", fontsize=10)
     fig.suptitle("Training loss")
     _legend(fig, axes)
     return _save(fig, path)
