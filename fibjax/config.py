@@ -217,6 +217,25 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class SSAConfig:
+    """Paper B's training: each step runs the full (dense) or the sparse stream with
+    probability ``sparse_prob``; every layer also computes the other stream for the alignment
+    loss SmoothL1(h_full, sg(h_sparse)) + SmoothL1(sg(h_full), h_sparse), weighted by
+    ``align_weight``. The sparse stream is ``model.attention`` with kind=``sparse_kind``:
+    block_sparse (MoBA blocks, the paper) or offset (Fibonacci offsets: "ssa_fib")."""
+
+    enabled: bool = False
+    sparse_kind: str = "block_sparse"
+    align_weight: float = 10.0
+    sparse_prob: float = 0.5
+
+    def __post_init__(self):
+        _require(self.sparse_kind in ("block_sparse", "offset"), "sparse_kind", "must be block_sparse or offset", self.sparse_kind)
+        _require(self.align_weight >= 0, "align_weight", "must be >= 0", self.align_weight)
+        _require(0 <= self.sparse_prob <= 1, "sparse_prob", "must lie in [0, 1]", self.sparse_prob)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs; saved as ``<workdir>/config.json``."""
 
@@ -232,12 +251,22 @@ class TrainConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    ssa: SSAConfig = field(default_factory=SSAConfig)
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1", self.steps)
+        if self.ssa.enabled:
+            a = self.model.attention
+            _require(a.kind == "dense", "model.attention.kind", "must be dense (the full stream) when ssa.enabled", a.kind)
+            _require(not a.learn_alpha and a.alpha != "learned", "model.attention.alpha", "the ssa sparse stream uses static alphas", a.alpha)
         _require(self.seq_len >= 2, "seq_len", "must be >= 2", self.seq_len)
         _require(self.global_batch >= 1, "global_batch", "must be >= 1", self.global_batch)
         _require(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)
+
+    @property
+    def sparse_stream(self) -> AttentionConfig | None:
+        """The SSA sparse stream's attention (None unless ssa.enabled)."""
+        return dataclasses.replace(self.model.attention, kind=self.ssa.sparse_kind) if self.ssa.enabled else None
 
 
 # ---------------------------------------------------------------------------------------

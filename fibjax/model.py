@@ -12,6 +12,7 @@ E head dim, F MLP hidden, V vocab.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from flax import nnx
 
 from fibjax import attention as attn_lib
 from fibjax.attention import offsets
-from fibjax.config import ModelConfig
+from fibjax.config import AttentionConfig, ModelConfig
 
 Array = jax.Array
 
@@ -50,8 +51,32 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
 
 
+class SSAStreams(NamedTuple):
+    """Paper B training: run both streams, pass on the sparse one iff ``use_sparse`` (traced)."""
+
+    sparse: AttentionConfig
+    use_sparse: Array
+
+
+def smooth_l1(a: Array, b: Array) -> Array:
+    """Mean Huber loss with beta = 1 (torch's SmoothL1Loss default, as the SSA reference)."""
+    d = jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))
+    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5))
+
+
+def ssa_alignment(full_BTHE: Array, sparse_BTHE: Array) -> Array:
+    """SmoothL1(full, sg(sparse)) (full learns to be sparse) + SmoothL1(sg(full), sparse)
+    (sparse stays near full), on per-head attention outputs before the output projection."""
+    sg = jax.lax.stop_gradient
+    return smooth_l1(full_BTHE, sg(sparse_BTHE)) + smooth_l1(sg(full_BTHE), sparse_BTHE)
+
+
 class Attention(nnx.Module):
-    """Projections, RoPE, and the layer's attention path (dense, static offsets, or learned)."""
+    """Projections, RoPE, and the layer's attention path (dense, offsets, or blocks).
+
+    Optional extras, recorded with ``sow`` as ``nnx.Intermediate``: the SSA alignment loss
+    (``ssa_align``) and the dropped attention mass against dense attention (``dropped_mass``).
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.cfg, self.layer = cfg, layer
@@ -62,17 +87,19 @@ class Attention(nnx.Module):
         self.k_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
         self.v_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
         self.o_proj = nnx.Linear(h * e, d, kernel_init=_init(out_std, ("heads", "embed")), **lin)
-        acfg = cfg.attention
-        self.alpha_init = acfg.layer_alphas(cfg.num_layers)[layer] if acfg.kind == "offset" else None
-        if acfg.is_learned:
-            theta0 = offsets.alpha_to_theta(self.alpha_init)
-            self.theta = nnx.Param(jnp.asarray(theta0, jnp.float32), logical_axes=())
+        if cfg.attention.is_learned:
+            alpha0 = cfg.attention.layer_alphas(cfg.num_layers)[layer]
+            self.theta = nnx.Param(jnp.asarray(offsets.alpha_to_theta(alpha0), jnp.float32), logical_axes=())
 
-    def alpha(self) -> Array | float | None:
-        """This layer's alpha: 0.5 + sigmoid(theta) when learned, the schedule's value otherwise."""
-        if self.cfg.attention.is_learned:
+    def alpha(self, acfg: AttentionConfig | None = None) -> Array | float | None:
+        """This layer's alpha under ``acfg`` (default: the model's): 0.5 + sigmoid(theta) when
+        learned, the schedule's value for static offsets, None otherwise."""
+        acfg = acfg or self.cfg.attention
+        if acfg.kind != "offset":
+            return None
+        if acfg.is_learned:
             return offsets.ALPHA_MIN + jax.nn.sigmoid(self.theta[...])
-        return self.alpha_init
+        return acfg.layer_alphas(self.cfg.num_layers)[self.layer]
 
     def qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
         b, t, _ = x_BTD.shape
@@ -83,20 +110,33 @@ class Attention(nnx.Module):
         theta = self.cfg.rope_theta
         return rope(q_BTHE, positions_BT, theta), rope(k_BTKE, positions_BT, theta), v_BTKE
 
-    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array) -> Array:
-        acfg, t = self.cfg.attention, q_BTHE.shape[1]
+    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, return_lse: bool = False):
+        """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's)."""
+        acfg = acfg or self.cfg.attention
+        t, impl = q_BTHE.shape[1], acfg.implementation
         if acfg.kind == "dense":
-            return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE)
-        if acfg.kind == "offset" and acfg.is_learned:
-            return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.base, alpha=self.alpha())
-        if acfg.kind == "offset":
-            ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=self.alpha_init, seq_len=t)
-            return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds)
-        raise NotImplementedError(f"attention kind {acfg.kind!r} is not available in this build")
+            return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse)
+        if acfg.kind == "block_sparse":
+            return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, return_lse=return_lse)
+        if acfg.is_learned:
+            return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.base, alpha=self.alpha(acfg),
+                                                   return_lse=return_lse, implementation=impl)
+        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=self.alpha(acfg), seq_len=t)
+        return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds, return_lse=return_lse, implementation=impl)
 
-    def __call__(self, x_BTD: Array, positions_BT: Array) -> Array:
+    def __call__(self, x_BTD: Array, positions_BT: Array, *, ssa: SSAStreams | None = None, probe_dropped_mass: bool = False) -> Array:
         b, t, _ = x_BTD.shape
-        out_BTHE = self.attend(*self.qkv(x_BTD, positions_BT))
+        q, k, v = self.qkv(x_BTD, positions_BT)
+        if ssa is not None:
+            full_BTHE, sparse_BTHE = self.attend(q, k, v, AttentionConfig(kind="dense")), self.attend(q, k, v, ssa.sparse)
+            self.sow(nnx.Intermediate, "ssa_align", ssa_alignment(full_BTHE, sparse_BTHE))
+            out_BTHE = jnp.where(ssa.use_sparse, sparse_BTHE, full_BTHE)  # only the chosen stream is passed on
+        elif probe_dropped_mass:
+            out_BTHE, lse_BTH = self.attend(q, k, v, return_lse=True)
+            _, full_lse_BTH = attn_lib.dense_attention(q, k, v, return_lse=True)
+            self.sow(nnx.Intermediate, "dropped_mass", attn_lib.dropped_mass(lse_BTH, full_lse_BTH))
+        else:
+            out_BTHE = self.attend(q, k, v)
         return self.o_proj(out_BTHE.reshape(b, t, -1))
 
 
@@ -122,8 +162,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD: Array, positions_BT: Array) -> Array:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT)
+    def __call__(self, x_BTD: Array, positions_BT: Array, ssa: SSAStreams | None = None, probe_dropped_mass: bool = False) -> Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, ssa=ssa, probe_dropped_mass=probe_dropped_mass)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
@@ -139,15 +179,21 @@ class Transformer(nnx.Module):
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
-    def __call__(self, tokens_BT: Array, positions_BT: Array | None = None) -> Array:
+    def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
+                 probe_dropped_mass: bool = False) -> Array:
+        """``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's
+        dropped attention mass against dense attention (evaluation)."""
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x_BTD = self.embed(tokens_BT)
-        # remat trades one extra forward per block for not storing its activations
-        run_block = nnx.remat(Block.__call__) if self.cfg.remat else Block.__call__
+        def run_block(block: Block, x_BTD: Array) -> Array:
+            return block(x_BTD, positions_BT, ssa, probe_dropped_mass)
+
+        if self.cfg.remat:  # one extra forward per block instead of storing its activations
+            run_block = nnx.remat(run_block)
         for block in self.blocks:
-            x_BTD = run_block(block, x_BTD, positions_BT)
+            x_BTD = run_block(block, x_BTD)
         x_BTD = self.final_norm(x_BTD)
         return self.embed.attend(x_BTD).astype(jnp.float32)
 

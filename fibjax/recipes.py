@@ -8,9 +8,10 @@ seq 256). Config files under ``configs/`` each name one of these.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
-from fibjax.config import AttentionConfig, CheckpointConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from fibjax.config import AttentionConfig, CheckpointConfig, ConfigError, DataConfig, ModelConfig, OptimConfig, SSAConfig, TrainConfig
 
 WINDOWS = (6, 8, 10, 12)
 VARIANTS = ("fib_fixed", "fib_learned", "fib_stagger", "fib_coprime", "pow2_stagger")
@@ -50,4 +51,46 @@ def cpu(name: str) -> TrainConfig:
         data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
         checkpoint=CheckpointConfig(every_steps=250, keep=2),
+    )
+
+
+# --- paper B (SSA) -------------------------------------------------------------------------
+SSA_METHODS = ("fullattn", "moba", "ssa", "ssa_fib")
+
+
+def _ssa_method(name: str, attention: AttentionConfig) -> tuple[AttentionConfig, SSAConfig]:
+    """FullAttn: dense training. MoBA: block-sparse only. SSA: both streams, MoBA blocks.
+    SSA-Fib: both streams, Fibonacci offsets as the sparse stream (unpublished variant)."""
+    if name == "fullattn":
+        return attention, SSAConfig()
+    if name == "moba":
+        return dataclasses.replace(attention, kind="block_sparse"), SSAConfig()
+    if name in ("ssa", "ssa_fib"):
+        return attention, SSAConfig(enabled=True, sparse_kind="block_sparse" if name == "ssa" else "offset")
+    raise ConfigError(f"unknown SSA method {name!r}: expected one of {SSA_METHODS}")
+
+
+def ssa_cpu(name: str) -> TrainConfig:
+    """Paper B's methods at CPU size (block 16 x 4 blocks = receptive field 64 at seq 256)."""
+    attention = AttentionConfig(kind="dense", block_size=16, num_blocks=4, window=8, alpha="staggered")
+    attention, ssa = _ssa_method(name, attention)
+    return TrainConfig(
+        name=f"ssa_cpu_{name}", seed=42, steps=1000, seq_len=256, global_batch=16, log_every=10,
+        model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention),
+        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
+        optim=OptimConfig(lr=1e-3, warmup_steps=100), checkpoint=CheckpointConfig(every_steps=250, keep=2), ssa=ssa,
+    )
+
+
+def ssa_paper(name: str) -> TrainConfig:
+    """Paper B's Llama-3.2-1B shape (16 layers, hidden 2048, 32 heads, 2 KV heads, head dim 64,
+    RoPE theta 5e5) at 8k tokens, block 16 x 16 blocks (receptive field 256), align weight 10."""
+    attention = AttentionConfig(kind="dense", block_size=16, num_blocks=16, window=12, alpha="staggered")
+    attention, ssa = _ssa_method(name, attention)
+    return TrainConfig(
+        name=f"ssa_paper_{name}", seed=42, steps=100_000, seq_len=8192, global_batch=16, log_every=50,
+        model=ModelConfig(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=2, head_dim=64, mlp_hidden=8192,
+                          rope_theta=5e5, dtype="bfloat16", remat=True, attention=attention),
+        data=DataConfig(path="data/ssa"), optim=OptimConfig(lr=3e-4, warmup_steps=2000),
+        checkpoint=CheckpointConfig(every_steps=1000, keep=3), ssa=ssa,
     )

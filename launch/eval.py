@@ -24,18 +24,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
+    parser.add_argument("--inference-mode", choices=["full", "sparse"], default=None,
+                        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
+    parser.add_argument("--block-size", type=int, default=None, help="sparse budget: block size")
+    parser.add_argument("--dropped-mass", action="store_true", help="also report the attention mass each layer drops against dense attention")
     args = parser.parse_args(argv)
 
     from fibjax.config import ConfigError
     from fibjax.data import DataError
     from fibjax.eval import runner
     from fibjax.eval.perplexity import EvalError
-    from fibjax.train.checkpoint import CheckpointError
+    from fibjax.train.checkpoint import CheckpointError, load_run_config
 
     try:
         specs = dict(item.split("=", 1) for item in args.data) if args.data else None
+        overrides = args.attention
+        if args.inference_mode or args.num_blocks or args.block_size:
+            cfg = load_run_config(args.workdir)
+            overrides = runner.inference_overrides(cfg, args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size) + overrides
         report, path = runner.evaluate_workdir(args.workdir, step_number=args.step, lengths=args.lengths, specs=specs,
-                                               max_tokens=args.max_tokens, attention_overrides=args.attention)
+                                               max_tokens=args.max_tokens, attention_overrides=overrides, dropped_mass=args.dropped_mass)
     except (ConfigError, DataError, EvalError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@
 """
 
 from fibjax.attention.api import dense_attention, interpolated_attention, offset_attention
+from fibjax.attention.block_sparse import block_sparse_attention, dropped_mass, select_blocks
 from fibjax.attention.offsets import (
     FIBONACCI_RUNGS,
     alpha_schedule,
@@ -22,10 +23,13 @@ __all__ = [
     "alpha_to_theta",
     "attended_distances",
     "base_rungs",
+    "block_sparse_attention",
     "coprime_stride",
     "dense_attention",
+    "dropped_mass",
     "interpolated_attention",
     "learned_rung_bases",
     "learned_rung_spec",
     "offset_attention",
+    "select_blocks",
 ]

@@ -88,3 +88,28 @@ def _padded_call(fn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
     if real < rows:
         tokens = np.concatenate([tokens, np.zeros((rows - real, tokens.shape[1]), tokens.dtype)])
     return np.asarray(fn(params, jnp.asarray(tokens)))[:real]
+
+
+def dropped_mass_fn(model_cfg: ModelConfig):
+    """Jitted (params, tokens [B, L+1]) -> dropped attention mass per layer [num_layers]:
+    the mean over queries and heads of 1 - exp(lse_pattern - lse_dense) (paper B)."""
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def mass(params, tokens_BL1):
+        model = nnx.merge(graphdef, params)
+        model(tokens_BL1[:, :-1], probe_dropped_mass=True)
+        per_layer = nnx.state(model, nnx.Intermediate)["blocks"]
+        return jnp.stack([per_layer[i]["attn"]["dropped_mass"][0] for i in range(model_cfg.num_layers)])
+
+    return mass
+
+
+def dropped_mass_by_layer(model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int) -> list[float]:
+    """Dropped mass per layer over windows of ``length`` (up to ``max_tokens`` tokens, in equal
+    batches of windows: a remainder smaller than one batch is left out)."""
+    tokens = windows(stream, scored_tokens(len(stream), [length], max_tokens), length)
+    rows = max(1, min(len(tokens), rows_tokens // length))
+    fn = dropped_mass_fn(model_cfg)
+    per_batch = [np.asarray(fn(params, jnp.asarray(tokens[i : i + rows]))) for i in range(0, len(tokens) // rows * rows, rows)]
+    return [float(x) for x in np.mean(per_batch, axis=0)]

@@ -17,7 +17,7 @@ import numpy as np
 
 from fibjax import data as data_lib
 from fibjax.config import AttentionConfig, MeshConfig, TrainConfig
-from fibjax.eval.perplexity import EvalError, evaluate_lengths
+from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.train import sharding, step
 from fibjax.train.checkpoint import Checkpointer, load_run_config
 from fibjax.train.loop import resolve_data_dir
@@ -92,17 +92,43 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
     return streams
 
 
-def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.ndarray], max_tokens: int, attention: AttentionConfig | None = None) -> dict:
+def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.ndarray], max_tokens: int, attention: AttentionConfig | None = None,
+                 dropped_mass: bool = False) -> dict:
     params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
-    results = {}
+    results, masses = {}, {}
     for name, stream in datasets.items():
         results[name] = [r.as_dict() for r in evaluate_lengths(model_cfg, params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens)]
-    return {
+        if dropped_mass:
+            masses[name] = {str(n): dropped_mass_by_layer(model_cfg, params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
+    report = {
         "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths,
         "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
         "alphas": layer_alphas(params, model_cfg), "datasets": results,
     }
+    if dropped_mass:
+        report["dropped_mass"] = masses  # dataset -> length -> per layer, vs dense attention
+    return report
+
+
+def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int | None = None, block_size: int | None = None) -> list[str]:
+    """``--inference-mode full|sparse`` and a sparse budget as attention overrides.
+
+    sparse = the run's SSA sparse stream, else its own sparse attention, else (a dense-trained
+    run: paper B's "attention gap") MoBA blocks with the config's block budget."""
+    out = []
+    if mode == "full":
+        out.append("kind=dense")
+    elif mode == "sparse":
+        own = cfg.model.attention.kind
+        out.append(f"kind={cfg.ssa.sparse_kind if cfg.ssa.enabled else own if own != 'dense' else 'block_sparse'}")
+    elif mode is not None:
+        raise EvalError(f"--inference-mode must be full or sparse, got {mode!r}")
+    if num_blocks is not None:
+        out.append(f"num_blocks={num_blocks}")
+    if block_size is not None:
+        out.append(f"block_size={block_size}")
+    return out
 
 
 def layer_alphas(params: dict, model_cfg) -> list[float | None]:
@@ -116,7 +142,7 @@ def layer_alphas(params: dict, model_cfg) -> list[float | None]:
 
 def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, lengths: list[int] | None = None,
                      specs: dict[str, str] | None = None, max_tokens: int | None = None,
-                     attention_overrides: list[str] | None = None) -> tuple[dict, Path]:
+                     attention_overrides: list[str] | None = None, dropped_mass: bool = False) -> tuple[dict, Path]:
     """The whole evaluation of one run directory; returns the report and where it was written.
 
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
@@ -126,7 +152,8 @@ def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, len
     run = load_run(workdir, step_number)
     lengths = lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers]
     attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
-    report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens, attention=attention)
+    report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens,
+                          attention=attention, dropped_mass=dropped_mass)
     tag = "-".join(a.replace("=", "_") for a in attention_overrides) if attention_overrides else ""
     return report, write_report(workdir, report, tag)
 
@@ -148,4 +175,7 @@ def format_table(report: dict) -> str:
     alphas = [a for a in report["alphas"] if a is not None]
     if alphas:
         lines.append("alpha per layer: " + " ".join(f"{a:.3f}" for a in report["alphas"]))
+    for name, by_length in report.get("dropped_mass", {}).items():
+        for length, per_layer in by_length.items():
+            lines.append(f"dropped mass vs dense, {name} @ {length}: " + " ".join(f"{m:.3f}" for m in per_layer) + f" (mean {np.mean(per_layer):.3f})")
     return "\n".join(lines)

@@ -134,13 +134,15 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
                 f"loss {loss} / grad norm {grad_norm} at step {step}: the run is stopped. "
                 f"Last good checkpoint: {f'step {saved}' if saved else 'none'} in {ckpt.directory} (untouched)."
             )
-        scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(schedule(step - 1)), **{f"alpha/{k}": float(v) for k, v in m["alphas"].items()}}
+        scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(schedule(step - 1)), **{f"alpha/{k}": float(v) for k, v in m["alphas"].items()},
+                   **{k: float(m[k]) for k in ("ce", "align", "sparse_stream") if k in m}}
         if rates:
             scalars["tokens_per_s"] = tokens_per_step / float(np.median(rates[-20:]))
         writer.write(step, scalars)
         result.losses.append(loss)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
+            extra = {"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}
+            bar.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
 
     try:
         with _Preemption() as preemption, jax.set_mesh(mesh):

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fibjax.config import TrainConfig
-from fibjax.model import Transformer
+from fibjax.model import SSAStreams, Transformer
 from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
@@ -66,15 +66,25 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     init_jit = jax.jit(init_fn, out_shardings=state_shardings)
     abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(init_fn), state_shardings)
 
-    def loss_fn(params, tokens_BT1):
-        logits = nnx.merge(graphdef, params)(tokens_BT1[:, :-1])
-        return cross_entropy(logits, tokens_BT1[:, 1:])
+    sparse_stream = cfg.sparse_stream
+
+    def loss_fn(params, tokens_BT1, rng, step):
+        model = nnx.merge(graphdef, params)
+        if sparse_stream is None:
+            ce = cross_entropy(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:])
+            return ce, {"ce": ce}
+        # SSA: one stream for the whole step, drawn from the run's key and the step number,
+        # so the choice is reproducible and survives a resume.
+        use_sparse = jax.random.bernoulli(jax.random.fold_in(jax.random.wrap_key_data(rng), step), cfg.ssa.sparse_prob)
+        ce = cross_entropy(model(tokens_BT1[:, :-1], ssa=SSAStreams(sparse_stream, use_sparse)), tokens_BT1[:, 1:])
+        align = jnp.mean(jnp.stack(jax.tree.leaves(nnx.state(model, nnx.Intermediate))))  # averaged over layers
+        return ce + cfg.ssa.align_weight * align, {"ce": ce, "align": align, "sparse_stream": use_sparse.astype(jnp.float32)}
 
     def step_fn(state: State, tokens_BT1: jax.Array):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens_BT1)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens_BT1, state["rng"], state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "alphas": learned_alphas(params)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "alphas": learned_alphas(params), **aux}
         return {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     batch_sharding = sharding.batch_sharding(mesh)

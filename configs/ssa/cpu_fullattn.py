@@ -1,0 +1,7 @@
+"""Paper B: fullattn at CPU size."""
+
+from fibjax.recipes import ssa_cpu
+
+
+def get_config():
+    return ssa_cpu("fullattn")

@@ -1,0 +1,7 @@
+"""Paper B: ssa at CPU size."""
+
+from fibjax.recipes import ssa_cpu
+
+
+def get_config():
+    return ssa_cpu("ssa")
