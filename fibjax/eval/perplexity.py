@@ -97,9 +97,8 @@ def dropped_mass_fn(model_cfg: ModelConfig):
 
     @jax.jit
     def mass(params, tokens_BL1):
-        model = nnx.merge(graphdef, params)
-        model(tokens_BL1[:, :-1], probe_dropped_mass=True)
-        per_layer = nnx.state(model, nnx.Intermediate)["blocks"]
+        _, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(tokens_BL1[:, :-1], probe_dropped_mass=True)
+        per_layer = sown["blocks"]
         return jnp.stack([per_layer[i]["attn"]["dropped_mass"][0] for i in range(model_cfg.num_layers)])
 
     return mass

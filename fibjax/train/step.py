@@ -76,8 +76,9 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         # SSA: one stream for the whole step, drawn from the run's key and the step number,
         # so the choice is reproducible and survives a resume.
         use_sparse = jax.random.bernoulli(jax.random.fold_in(jax.random.wrap_key_data(rng), step), cfg.ssa.sparse_prob)
-        ce = cross_entropy(model(tokens_BT1[:, :-1], ssa=SSAStreams(sparse_stream, use_sparse)), tokens_BT1[:, 1:])
-        align = jnp.mean(jnp.stack(jax.tree.leaves(nnx.state(model, nnx.Intermediate))))  # averaged over layers
+        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens_BT1[:, :-1], ssa=SSAStreams(sparse_stream, use_sparse))
+        ce = cross_entropy(logits, tokens_BT1[:, 1:])
+        align = jnp.mean(jnp.stack(jax.tree.leaves(sown)))  # averaged over layers
         return ce + cfg.ssa.align_weight * align, {"ce": ce, "align": align, "sparse_stream": use_sparse.astype(jnp.float32)}
 
     def step_fn(state: State, tokens_BT1: jax.Array):
