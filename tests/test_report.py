@@ -116,6 +116,16 @@ def test_plots_are_real_images(built):
         assert img[..., :3].std() > 0.05, name  # not a blank canvas
 
 
+def test_smoothing_is_centred():
+    from fibjax.eval.plots import smooth
+
+    line = np.arange(50.0)
+    np.testing.assert_allclose(smooth(line, 9), line)  # no lag, ends included
+    noisy = 5 + np.random.default_rng(0).normal(size=400)
+    assert smooth(noisy, 41)[20:-20].std() < 0.3 * noisy.std()
+    assert np.isnan(smooth(noisy, 41, min_points=21)[[0, 9, -1]]).all() and not np.isnan(smooth(noisy, 41, min_points=21)[10:-10]).any()
+
+
 def test_plots_skip_what_the_runs_lack(tmp_path):
     run = fake_run(tmp_path, "dense", attention={**ATTN, "kind": "dense"}, alphas=[None], metrics=False, datasets={"d": rows_for([5.0, 6.0])})
     report = rep.build_report([run], tmp_path / "out")

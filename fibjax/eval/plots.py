@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+from matplotlib.ticker import NullLocator, ScalarFormatter
 
 # Okabe & Ito (2008), yellow last: it is hard to see on white.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
@@ -25,6 +25,7 @@ STYLE = {
     "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "savefig.dpi": 150,
 }
 GUIDE = "#666666"  # reference lines (training length, zero gap)
+MAX_COLUMNS = 3  # panels per row; more datasets wrap
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,12 @@ def _save(fig: Figure, path: Path) -> bool:
 
 
 def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle]) -> bool:
-    fig, axes = _panels(len(datasets))
-    train_lens = sorted({r.train_len for r in runs})
-    for ax, d in zip(axes[0], datasets, strict=True):
+    cols = min(len(datasets), MAX_COLUMNS)
+    fig, axes = _panels(cols, rows=math.ceil(len(datasets) / cols), width=5.5 if cols > 1 else 6.5)
+    for ax in axes.flat[len(datasets):]:
+        ax.set_visible(False)
+    train_lens = {r.train_len for r in runs}
+    for ax, d in zip(axes.flat, datasets):
         lengths, ppls = set(), []
         for r in runs:
             rows = r.rows(d)
@@ -92,23 +96,20 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
             ax.plot(x, y, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=r.label)
             lengths.update(x)
             ppls += y
+        ticks = sorted(lengths | train_lens)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(sorted(lengths)))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xticks(ticks, [f"{t}\n(trained)" if t in train_lens else str(t) for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
         if ppls and max(ppls) / min(ppls) > 3:
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter(ScalarFormatter())
         for t in train_lens:
             ax.axvline(t, color=GUIDE, linestyle=":", linewidth=1.2, zorder=0)
-            ax.annotate(f"trained at {t}", (t, 1), xycoords=("data", "axes fraction"), xytext=(4, -4),
-                        textcoords="offset points", va="top", fontsize=9, color=GUIDE)
-        if len(lengths) > 1:
-            lo, hi = min(lengths), max(lengths)
-            ax.set_xlim(lo / 1.25, hi * 1.25)
+        ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
         ax.set_title(d)
         ax.set_xlabel("evaluation length (tokens, log scale)")
-    axes[0][0].set_ylabel("perplexity (lower is better)")
+    for row in axes:
+        row[0].set_ylabel("perplexity (lower is better)")
     fig.suptitle("Perplexity vs evaluation length")
     _legend(fig, axes)
     return _save(fig, path)
@@ -180,17 +181,21 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     ax.set_ylabel("alpha (rung scale)")
     note = "shaded: the allowed range 0.5–1.5; open markers: a learned run's initial value"
     no_alpha = [r.label for r in runs if r not in with_alpha]
-    ax.set_title(note + (f"\nnot shown (dense): {', '.join(no_alpha)}" if no_alpha else ""), fontsize=10)
+    ax.set_title(note + (f"\nnot shown (dense attention, no alpha): {', '.join(no_alpha)}" if no_alpha else ""), fontsize=10)
     fig.suptitle("Alpha per layer")
     _legend(fig, axes)
     return _save(fig, path)
 
 
-def smooth(values, window: int) -> np.ndarray:
-    """Centred moving average (no lag); near the ends it averages the points that exist."""
-    values = np.asarray(values, dtype=float)
-    kernel = np.ones(min(window, len(values)))
-    return np.convolve(values, kernel, "same") / np.convolve(np.ones_like(values), kernel, "same")
+def smooth(values, window: int, *, min_points: int = 1) -> np.ndarray:
+    """Centred moving average (no lag); the window shrinks symmetrically near the ends, so a
+    straight line stays straight. Points averaged over fewer than ``min_points`` are NaN."""
+    v = np.asarray(values, dtype=float)
+    i = np.arange(len(v))
+    half = np.minimum(window // 2, np.minimum(i, len(v) - 1 - i))
+    csum = np.concatenate([[0.0], np.cumsum(v)])
+    out = (csum[i + half + 1] - csum[i - half]) / (2 * half + 1)
+    return np.where(2 * half + 1 >= min_points, out, np.nan)
 
 
 def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -230,7 +235,8 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
                 continue
             s, (steps, loss, _) = styles[r.label], curves[r.label]
             common, i, j = np.intersect1d(steps, ref_steps, return_indices=True)
-            gap_ax.plot(common, smooth(loss[i] - ref_loss[j], gap_window), color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
+            gap = smooth(loss[i] - ref_loss[j], gap_window, min_points=gap_window // 2)
+            gap_ax.plot(common, gap, color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
         gap_ax.set_xlabel("training step")
         gap_ax.set_ylabel("loss gap (nats per token)")
         gap_ax.set_title(f"loss minus {reference.label}'s at the same step (> 0: worse)\ncentred mean over {gap_window} steps", fontsize=10)
