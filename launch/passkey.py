@@ -1,0 +1,66 @@
+"""Passkey retrieval of a run: ``python -m launch.passkey --workdir RUN [--step S]
+[--lengths 256,512,1024] [--depths 0,0.25,0.5,0.75,1] [--trials 5] [--seed 0] [--out DIR]
+[--attention key=value ...]``.
+
+Writes passkey.json / .csv / .md / .png to DIR (default RUN/eval/passkey-<step>[-<override>])
+and prints the Markdown table. ``--attention`` evaluates the weights under another attention,
+as in ``launch.eval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _list(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--lengths", type=_list(int), default=[256, 512, 1024], help="context lengths in tokens")
+    parser.add_argument("--depths", type=_list(float), default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    parser.add_argument("--trials", type=int, default=5, help="keys per (length, depth) cell")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=None, help="prompts per forward pass (default: --trials)")
+    parser.add_argument("--out", default=None, help="output directory")
+    parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
+    args = parser.parse_args(argv)
+
+    from fibjax.config import ConfigError, apply_overrides
+    from fibjax.data import DataError, Tokenizer, TokenizerError
+    from fibjax.data.token_files import TOKENIZER_FILE
+    from fibjax.eval import passkey, runner
+    from fibjax.eval.perplexity import EvalError
+    from fibjax.train.checkpoint import CheckpointError
+
+    try:
+        run = runner.load_run(args.workdir, args.step)
+        tokenizer = Tokenizer.load(run.data_dir / TOKENIZER_FILE)
+        if tokenizer.sha256 != run.tokenizer_sha256:
+            raise EvalError(f"{run.data_dir / TOKENIZER_FILE} is not the tokenizer the run's data was made with")
+        if args.attention:
+            params, model_cfg = runner.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
+        else:
+            params, model_cfg = run.params, run.cfg.model
+        result = passkey.passkey_grid(model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size)
+    except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tag = "-".join(a.replace("=", "_") for a in args.attention)
+    attention = model_cfg.attention
+    result.update(run=run.cfg.name, step=run.step, train_seq_len=run.cfg.seq_len, attention_override=args.attention,
+                  title=f"Passkey retrieval: {run.cfg.name} step {run.step} ({attention.kind} attention{', ' + tag if tag else ''})")
+    out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
+    paths = passkey.write_passkey_outputs(result, out)
+    print(passkey.format_markdown(result))
+    print(f"written: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

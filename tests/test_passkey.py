@@ -1,0 +1,123 @@
+"""Passkey retrieval: prompt construction, scoring with oracle and random models, outputs, CLI."""
+
+import csv
+import json
+import re
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from fibjax import data as data_lib
+from fibjax.config import ModelConfig, TrainConfig, apply_overrides
+from fibjax.eval import passkey
+from fibjax.eval.perplexity import EvalError
+from fibjax.model import Transformer
+from launch import passkey as passkey_cli
+from tests.test_train_loop import TINY
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [*passkey.FILLER, passkey.QUESTION, *(passkey.NEEDLE.format(key=str(10_000 + 7919 * i % 90_000)) for i in range(30))]
+    return data_lib.train_tokenizer(texts, 300)
+
+
+def retrieval_oracle(tokenizer, fail_below_depth=None):
+    """A "model" that reads the key from the needle in its input and answers it (teacher
+    forcing: the argmax at position j is the next token; at the end, the answer's last token).
+    With ``fail_below_depth``, it answers wrongly when the needle sits earlier than that."""
+
+    def predict(params, tokens_NL):
+        out = np.roll(tokens_NL, -1, axis=1)
+        for row, tokens in zip(out, tokens_NL):
+            text = tokenizer.decode(tokens)
+            needle = re.search(r"The pass key is (\d{5})\. Remember it\. \d{5} is the pass key\.", text)
+            row[-1] = passkey._answer_tokens(tokenizer, needle.group(1))[1][-1]
+            before, after = needle.start(), text.rfind(passkey.QUESTION) - needle.end()  # filler characters
+            if fail_below_depth is not None and before / (before + after) < fail_below_depth:
+                row[-1] = (row[-1] + 1) % tokenizer.vocab_size
+        return out
+
+    return predict
+
+
+@pytest.mark.parametrize("length", [82, 100, 257])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_prompt_has_exact_length_and_the_key_at_the_depth(tok, length, depth):
+    p = passkey.build_prompt(tok, length, depth, "48213")
+    needle = tok.encode(passkey.NEEDLE.format(key="48213"))
+    question, answer = passkey._answer_tokens(tok, "48213")
+    assert len(p.tokens) == length + 1 and p.tokens.dtype == np.int32
+    assert list(p.tokens[p.needle_start : p.needle_start + len(needle)]) == needle
+    assert p.haystack == length + 1 - len(needle) - len(question) - len(answer)
+    assert abs(p.needle_start - depth * p.haystack) <= max(len(tok.encode(s)) for s in passkey.FILLER)
+    assert list(p.tokens[p.answer_start :]) == answer and tok.decode(answer).strip() == "48213"
+    text = tok.decode(p.tokens)
+    assert text.endswith(f"{passkey.QUESTION} 48213") and text.count("48213") == 3
+    # from the first whole sentence on, the tokens are exactly how the joined text encodes
+    first = passkey.build_prompt(tok, length, 0.0, "48213").needle_start
+    assert tok.encode(tok.decode(p.tokens[first:])) == list(p.tokens[first:])
+    if depth == 1.0:
+        assert p.needle_start == p.haystack and p.depth == 1.0
+
+
+def test_prompt_errors_and_keys(tok):
+    with pytest.raises(EvalError, match="alone take 81 tokens"):
+        passkey.build_prompt(tok, 80, 0.5, "12345")
+    with pytest.raises(EvalError, match="depth"):
+        passkey.build_prompt(tok, 64, 1.5, "12345")
+    keys = {passkey.random_key(0, 64, d, i) for d in (0.0, 0.5) for i in range(20)}
+    assert len(keys) == 40 and all(len(k) == 5 and k.isdigit() for k in keys)
+    assert passkey.random_key(3, 64, 0.5, 1) == passkey.random_key(3, 64, 0.5, 1)
+
+
+def test_oracle_scores_one_and_random_scores_zero(tok):
+    grid = dict(lengths=[160, 257], depths=[0.0, 0.5, 1.0], trials=4, seed=1)
+    perfect = passkey.passkey_grid(None, None, tok, **grid, predict_fn=retrieval_oracle(tok))
+    assert perfect["mean_accuracy"] == 1.0 and np.all(np.asarray(perfect["token_accuracy"]) == 1.0)
+    assert all(c["answers"] == [f" {k}" for k in c["keys"]] or [a.strip() for a in c["answers"]] == c["keys"] for c in perfect["cells"])
+    rng = np.random.default_rng(0)
+    noise = passkey.passkey_grid(None, None, tok, **grid, batch_size=3,
+                                 predict_fn=lambda params, t: rng.integers(0, tok.vocab_size, t.shape))
+    assert noise["mean_accuracy"] == 0.0 and np.mean(noise["token_accuracy"]) < 0.1
+    # the grid is depth x length: an oracle blind to early needles fails exactly the depth-0 row
+    half = passkey.passkey_grid(None, None, tok, **grid, predict_fn=retrieval_oracle(tok, fail_below_depth=0.25))
+    assert half["accuracy"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]] and half["correct"][1] == [4, 4]
+
+
+@pytest.mark.parametrize("attention", [dict(kind="dense"), dict(kind="offset", window=3, alpha="staggered")])
+def test_runs_on_fibjax_models(tok, attention):
+    from fibjax.config import AttentionConfig
+
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, attention=AttentionConfig(**attention))
+    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    result = passkey.passkey_grid(cfg, params, tok, [100, 128], [0.0, 1.0], trials=3, seed=0)
+    assert result["mean_accuracy"] < 0.5 and len(result["cells"]) == 4  # an untrained model does not retrieve
+
+
+def test_outputs_are_written(tok, tmp_path):
+    result = passkey.passkey_grid(None, None, tok, [160, 257, 400], [0.0, 0.5, 1.0], trials=4, seed=2,
+                                  predict_fn=retrieval_oracle(tok, fail_below_depth=0.25))
+    paths = passkey.write_passkey_outputs({**result, "title": "oracle"}, tmp_path / "out")
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 10_000
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert len(rows) == 9 and {int(r["length"]) for r in rows} == {160, 257, 400}
+    assert sum(int(r["correct"]) for r in rows) == 24 and all(0 <= float(r["accuracy"]) <= 1 for r in rows)
+    assert json.loads(paths["json"].read_text())["accuracy"] == result["accuracy"]
+    md = paths["md"].read_text()
+    assert md.startswith("oracle") and "| depth \\ length | 160 | 257 | 400 |" in md and "| 0% | 0 | 0 | 0 |" in md
+
+
+def test_cli_on_a_trained_run(tmp_path):
+    from fibjax.train.loop import train
+
+    data = tmp_path / "data"
+    data_lib.prepare_default(data, vocab_size=384)
+    cfg = apply_overrides(TrainConfig(), [*TINY, "steps=2", f"data.path={data}", "name=pk"])
+    train(cfg, tmp_path / "run", progress=False)
+    out = tmp_path / "pk"
+    assert passkey_cli.main(["--workdir", str(tmp_path / "run"), "--lengths", "128,160", "--depths", "0,1", "--trials", "2", "--out", str(out)]) == 0
+    saved = json.loads((out / "passkey.json").read_text())
+    assert saved["run"] == "pk" and saved["step"] == 2 and saved["lengths"] == [128, 160] and (out / "passkey.png").exists()
+    assert passkey_cli.main(["--workdir", str(tmp_path / "run"), "--step", "7"]) == 2
