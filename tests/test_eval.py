@@ -90,3 +90,22 @@ def test_errors(runs, tmp_path):
     with pytest.raises(CheckpointError, match="could not be read"):
         runner.load_run(clone)
     assert jax.devices()  # the failed restore leaves JAX usable
+
+
+def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
+    from launch.eval import main
+
+    assert main(["--workdir", str(runs["dense"]), "--lengths", "32,64", "--inference-mode", "sparse", "--num-blocks", "2",
+                 "--block-size", "8", "--dropped-mass"]) == 0
+    out = capsys.readouterr().out
+    path = runs["dense"] / "eval" / next(p.name for p in (runs["dense"] / "eval").iterdir() if "kind_block_sparse" in p.name)
+    report = json.loads(path.read_text())
+    assert report["attention"]["kind"] == "block_sparse" and report["attention"]["num_blocks"] == 2 and report["attention"]["block_size"] == 8
+    masses = report["dropped_mass"]["python_docs"]
+    assert all(0 < m < 1 for per_layer in masses.values() for m in per_layer)  # 2 blocks of 8 cannot hold all of 32+ keys
+    assert "dropped mass" in out
+    assert main(["--workdir", str(runs["dense"]), "--lengths", "32", "--inference-mode", "full", "--dropped-mass"]) == 0
+    full = json.loads(next(p for p in (runs["dense"] / "eval").iterdir() if "kind_dense" in p.name).read_text())
+    assert all(m == 0 for per_layer in full["dropped_mass"]["python_docs"].values() for m in per_layer)
+    assert main(["--workdir", str(runs["dense"]), "--inference-mode", "sparse", "--num-blocks", "0"]) == 2
+    assert "num_blocks" in capsys.readouterr().err
