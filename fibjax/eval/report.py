@@ -220,7 +220,8 @@ def matrix_table(runs: list[RunEval], datasets: list[str]) -> Table:
         rows.append([r.label, str(r.report["step"]), r.attention_label(), str(r.train_len), *(_num(p) for p in ppl)])
         csv_rows.append([r.label, r.report["step"], r.attention_label(), r.train_len, *ppl])
     notes = ["Perplexity on held-out tokens at each run's training length; — : not evaluated at that length."]
-    return Table("matrix", "Perplexity by dataset at the training length", header, rows, header, csv_rows, notes)
+    csv_header = ["run", "step", "attention", "train_seq_len", *datasets]
+    return Table("matrix", "Perplexity by dataset at the training length", header, rows, csv_header, csv_rows, notes)
 
 
 def change_pct(rows: list[dict]) -> float:
@@ -242,7 +243,9 @@ def extrap_table(runs: list[RunEval], datasets: list[str]) -> Table:
                 csv_rows.append([r.label, d, r.train_len, x["length"], x["length"] / r.train_len, x["tokens"], x["nll"], x["ppl"], change])
         rows.append([r.label, str(r.train_len), " / ".join(map(str, lengths)), *cells])
     csv_header = ["run", "dataset", "train_seq_len", "length", "multiplier", "tokens", "nll", "ppl", "change_vs_first_pct"]
-    notes = ["Perplexity at each evaluation length on the same tokens; in brackets the change at the longest length vs the first."]
+    scored = sorted({x["tokens"] for r in runs for d in datasets for x in r.rows(d)})
+    notes = ["Perplexity at each evaluation length on the same tokens "
+             f"({' / '.join(map(str, scored))} tokens scored per dataset); in brackets the change at the longest length vs the first."]
     return Table("extrap", "Length extrapolation", header, rows, csv_header, csv_rows, notes)
 
 
