@@ -60,7 +60,9 @@ class RunEval:
         return text + (" [override]" if self.report.get("attention_override") else "")
 
     def initial_alphas(self) -> list[float] | None:
-        """The initial alphas of a learned run (from its schedule); None otherwise."""
+        """The initial alphas of a learned run (recorded, or else from its schedule); None otherwise."""
+        if self.report.get("alpha_init"):
+            return [float(x) for x in self.report["alpha_init"]]
         a = self.report["attention"]
         if a.get("kind") != "offset" or not (a.get("alpha") == "learned" or a.get("learn_alpha")):
             return None

@@ -102,9 +102,9 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
         if dropped_mass:
             masses[name] = {str(n): dropped_mass_by_layer(model_cfg, params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
     report = {
-        "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths,
-        "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
-        "alphas": layer_alphas(params, model_cfg), "datasets": results,
+        "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
+        "num_layers": model_cfg.num_layers, "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
+        "alphas": layer_alphas(params, model_cfg), "alpha_init": initial_alphas(model_cfg), "datasets": results,
     }
     if dropped_mass:
         report["dropped_mass"] = masses  # dataset -> length -> per layer, vs dense attention
@@ -131,6 +131,17 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
     return out
 
 
+def initial_alphas(model_cfg) -> list[float] | None:
+    """A learned run's starting alphas as the model really started them (pulled into
+    [0.55, 1.45] by alpha_to_theta); None for a run without learned alpha."""
+    from fibjax.attention.offsets import alpha_to_theta
+
+    acfg = model_cfg.attention
+    if not acfg.is_learned:
+        return None
+    return [float(0.5 + jax.nn.sigmoid(alpha_to_theta(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
+
+
 def layer_alphas(params: dict, model_cfg) -> list[float | None]:
     acfg = model_cfg.attention
     if acfg.kind != "offset":
@@ -150,11 +161,15 @@ def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, len
     from fibjax.config import apply_overrides
 
     run = load_run(workdir, step_number)
-    lengths = lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers]
+    lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])
     attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
     report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens,
                           attention=attention, dropped_mass=dropped_mass)
-    tag = "-".join(a.replace("=", "_") for a in attention_overrides) if attention_overrides else ""
+    report["data"] = specs or {"(the run's own validation sources)": str(run.data_dir)}
+    # one file per evaluation setting, so a later evaluation never replaces the end-of-training one
+    parts = [a.replace("=", "_") for a in attention_overrides or []] + sorted(f"data_{k}" for k in specs or {})
+    parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
+    tag = "-".join(p.replace("/", "_") for p in parts)
     return report, write_report(workdir, report, tag)
 
 
