@@ -178,5 +178,7 @@ def test_forward_and_backward_lower_without_hardware(platform, path, dtype):
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, t, 8, 64), (2, t, 2, 64), (2, t, 2, 64))] + [jax.ShapeDtypeStruct((), F32)]
     text = jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert text.count(marker) == 3
+    if platform == "cuda":  # the Triton lowering, with explicit compiler parameters (not Mosaic GPU)
+        assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
     for kernel in ("offset_attention_fwd", "offset_attention_dq", "offset_attention_dkdv"):
         assert kernel in text

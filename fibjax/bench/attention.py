@@ -2,6 +2,12 @@
 
 Paths are registered in ``PATHS`` (name -> builder); each builder gets the case and returns
 ``f(q, k, v) -> out``. Ratios are computed from timings taken in the same process.
+
+``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (interpret mode on
+CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU only when named
+in ``--paths``), ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")``, causal
+and dense (GPU, 16-bit dtypes only). GB/s is the compulsory HBM traffic (``traffic_bytes``)
+over the time: what a memory-bound kernel should drive towards the device's peak.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from fibjax import attention
+from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.bench.timing import Measurement, measure
 
 
@@ -26,6 +33,7 @@ class Case:
     dtype: str = "float32"
     window: int = 12
     num_layers: int = 16  # the static/learned alpha is the staggered alpha of the middle layer
+    block_sizes: BlockSizes = BlockSizes()  # the Pallas rows'
 
     @property
     def alpha(self) -> float:
@@ -36,19 +44,58 @@ def _dense(case: Case) -> Callable:
     return attention.dense_attention
 
 
+def _distances(case: Case) -> tuple[int, ...]:
+    return attention.attended_distances(window=case.window, base="fibonacci", alpha=case.alpha, seq_len=case.seq_len)
+
+
 def _static(case: Case) -> Callable:
-    ds = attention.attended_distances(window=case.window, base="fibonacci", alpha=case.alpha, seq_len=case.seq_len)
-    return lambda q, k, v: attention.offset_attention(q, k, v, distances=ds)
+    ds = _distances(case)
+    return lambda q, k, v: attention.offset_attention(q, k, v, distances=ds, implementation="xla")
 
 
 def _learned(case: Case) -> Callable:
     # alpha is an argument of the jitted function in training; close over a traced copy here
-    return lambda q, k, v: attention.interpolated_attention(q, k, v, window=case.window, base="fibonacci", alpha=jnp.float32(case.alpha))
+    alpha = jnp.float32(case.alpha)
+    return lambda q, k, v: attention.interpolated_attention(q, k, v, window=case.window, base="fibonacci", alpha=alpha, implementation="xla")
 
 
-PATHS: dict[str, Callable[[Case], Callable]] = {"dense": _dense, "static": _static, "learned": _learned}
-# (numerator, denominator) pairs printed as ratios
-RATIOS: list[tuple[str, str]] = [("static", "dense"), ("learned", "static")]
+def _static_pallas(case: Case) -> Callable:
+    ds = _distances(case)
+    return lambda q, k, v: offset_attention_pallas(q, k, v, distances=ds, block_sizes=case.block_sizes)
+
+
+def _learned_pallas(case: Case) -> Callable:
+    alpha = jnp.float32(case.alpha)
+    return lambda q, k, v: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha, block_sizes=case.block_sizes)
+
+
+def _cudnn(case: Case) -> Callable:
+    if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
+        raise Unavailable("cudnn needs a GPU and a 16-bit dtype")
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
+
+
+class Unavailable(Exception):
+    """A path that cannot run for this case on this machine (its row is left out)."""
+
+
+PATHS: dict[str, Callable[[Case], Callable]] = {
+    "dense": _dense, "static": _static, "learned": _learned,
+    "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
+}
+# (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
+# static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
+RATIOS: list[tuple[str, str]] = [
+    ("static", "dense"), ("learned", "static"), ("static_pallas", "static"), ("learned_pallas", "learned"),
+    ("learned_pallas", "static_pallas"), ("static_pallas", "cudnn"), ("learned_pallas", "cudnn"),
+]
+
+
+def default_paths() -> list[str]:
+    """Every path that is fast enough to run here: on CPU the Pallas rows are interpret mode."""
+    if jax.default_backend() == "cpu":
+        return ["dense", "static", "learned"]
+    return list(PATHS)
 
 
 def inputs(case: Case):
@@ -68,23 +115,38 @@ def forward_backward(f: Callable) -> Callable:
     return jax.grad(loss, argnums=(0, 1, 2))
 
 
+def traffic_bytes(case: Case, mode: str) -> int:
+    """Compulsory HBM bytes: read q, k, v, write out (+ lse); the backward also reads q, k, v,
+    out, d_out, lse and writes dq, dk, dv. Every path must move at least this much."""
+    item = jnp.dtype(case.dtype).itemsize
+    q_out = case.batch * case.seq_len * case.heads * case.head_dim * item
+    kv = case.batch * case.seq_len * case.kv_heads * case.head_dim * item
+    lse = case.batch * case.seq_len * case.heads * 4
+    fwd = 2 * q_out + 2 * kv + lse
+    return fwd if mode == "fwd" else fwd + (4 * q_out + 4 * kv + lse)
+
+
 def run(case: Case, paths: list[str], repeats: int) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement}."""
     q, k, v = inputs(case)
     results = {}
     for name in paths:
-        f = PATHS[name](case)
+        try:
+            f = PATHS[name](case)
+        except Unavailable:
+            continue
         results[(name, "fwd")] = measure(f, q, k, v, repeats=repeats)
         results[(name, "fwd+bwd")] = measure(forward_backward(f), q, k, v, repeats=repeats)
     return results
 
 
 def table(rows: list[tuple[Case, dict]]) -> str:
-    lines = ["| seq | path | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB |", "|---:|---|---:|---:|---:|---:|"]
+    lines = ["| seq | path | fwd ms | fwd+bwd ms | fwd GB/s | fwd+bwd GB/s | fwd peak MB | fwd+bwd peak MB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for case, res in rows:
         for name in dict.fromkeys(n for n, _ in res):
             f, fb = res[(name, "fwd")], res[(name, "fwd+bwd")]
-            lines.append(f"| {case.seq_len} | {name} | {f.ms:.1f} | {fb.ms:.1f} | {f.peak_mb:.0f} | {fb.peak_mb:.0f} |")
+            gbs = [traffic_bytes(case, m) / (r.ms * 1e6) for m, r in (("fwd", f), ("fwd+bwd", fb))]
+            lines.append(f"| {case.seq_len} | {name} | {f.ms:.3f} | {fb.ms:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {f.peak_mb:.0f} | {fb.peak_mb:.0f} |")
     lines += ["", "| seq | ratio | fwd | fwd+bwd |", "|---:|---|---:|---:|"]
     for case, res in rows:
         for num, den in RATIOS:
