@@ -25,48 +25,59 @@ Array = jax.Array
 
 def attend_prompt(plan: LayerPlan, attn, q_BPHE: Array, k_BPKE: Array, v_BPKE: Array) -> Array:
     """The prompt's attention output with the library's paths, at the capacity's attended set."""
+    impl = attn.cfg.attention.implementation
     if plan.kind == "full":
         return attn_lib.dense_attention(q_BPHE, k_BPKE, v_BPKE)
     if plan.kind == "static":
-        return attn_lib.offset_attention(q_BPHE, k_BPKE, v_BPKE, distances=plan.distances)
+        return attn_lib.offset_attention(q_BPHE, k_BPKE, v_BPKE, distances=plan.distances, implementation=impl)
     # an explicit base (the rungs at L) keeps the rungs of pow2 those of the capacity
-    return attn_lib.interpolated_attention(q_BPHE, k_BPKE, v_BPKE, window=plan.window, base=plan.rungs, alpha=attn.alpha())
+    return attn_lib.interpolated_attention(q_BPHE, k_BPKE, v_BPKE, window=plan.window, base=plan.rungs, alpha=attn.alpha(), implementation=impl)
 
 
-def _scores(q_BKGE: Array, k_BSKE: Array) -> Array:
-    return jnp.einsum("bkge,bske->bkgs", q_BKGE, k_BSKE, preferred_element_type=stats_dtype(q_BKGE))
+def _scores(q_BKGE: Array, k_BKSE: Array) -> Array:
+    return jnp.einsum("bkge,bkse->bkgs", q_BKGE, k_BKSE, preferred_element_type=stats_dtype(q_BKGE))
 
 
-def _values(p_BKGS: Array, v_BSKE: Array) -> Array:
-    return jnp.einsum("bkgs,bske->bkge", p_BKGS, v_BSKE.astype(p_BKGS.dtype))
+def _values(p_BKGS: Array, v_BKSE: Array) -> Array:
+    return jnp.einsum("bkgs,bkse->bkge", p_BKGS, v_BKSE.astype(p_BKGS.dtype))
 
 
-def _rows(x_BRKE: Array, positions_S: Array) -> Array:
+def _rows(x_BKRE: Array, positions_S: Array) -> Array:
     """The cached rows of absolute ``positions_S`` (ring index p mod R; callers mask p < 0)."""
-    return jnp.take(x_BRKE, positions_S % x_BRKE.shape[1], axis=1)
+    return jnp.take(x_BKRE, positions_S % x_BKRE.shape[2], axis=2)
 
 
-def attend_token(plan: LayerPlan, attn, q_B1HE: Array, kv: KV, pos: Array) -> Array:
-    """Output [B, 1, H, E] of the query at position ``pos`` (traced), its own key already cached."""
+def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, kv: KV, pos: Array) -> Array:
+    """Output [B, 1, H, E] of the query at position ``pos`` (traced) with its own key/value
+    ``k_B1KE, v_B1KE`` and the cache ``kv`` as it was *before* this position was written.
+
+    Reading the cache before the write (the query's own distance 0 comes from its key) lets XLA
+    update the cache in place: reading the written cache made it copy every layer's cache.
+    Every other attended row is older than ``pos``: distances 1..R-1 never reach row pos % R.
+    """
     b, _, h, e = q_B1HE.shape
-    q_BKGE = group_queries(q_B1HE, kv.k.shape[2])[:, 0]
-    if plan.kind == "full":
-        s_BKGS = _scores(q_BKGE, kv.k)
-        p_BKGS, _ = masked_softmax(s_BKGS, jnp.arange(kv.k.shape[1]) <= pos)
-        o_BKGE = _values(p_BKGS, kv.v)
+    q_BKGE = group_queries(q_B1HE, kv.k.shape[1])[:, 0]
+    k_BK1E, v_BK1E = jnp.swapaxes(k_B1KE, 1, 2), jnp.swapaxes(v_B1KE, 1, 2)
+    if plan.kind == "full":  # row j holds position j
+        keys, values, valid = [kv.k], [kv.v], [jnp.arange(kv.k.shape[2]) < pos]
     else:
-        d_S = np.asarray(plan.distances)
-        scores, valid = [_scores(q_BKGE, _rows(kv.k, pos - d_S))], [pos >= d_S]
-        if plan.kind == "learned" and plan.slots:
-            lo_R, frac_R, active_R = learned_rungs(attn.alpha(), plan.slots, window=plan.window, seq_len=plan.max_len)
-            near_R, far_R = pos - lo_R, jnp.maximum(pos - lo_R - 1, 0)  # far neighbour clamped at position 0
-            s_near, s_far = _scores(q_BKGE, _rows(kv.k, near_R)), _scores(q_BKGE, _rows(kv.k, far_R))
-            scores.append(s_near + frac_R * (s_far - s_near))  # the score is linear in the key
-            valid.append((pos >= lo_R) & active_R)
-        p_BKGS, _ = masked_softmax(jnp.concatenate(scores, -1), jnp.concatenate(valid, -1))
-        n = len(d_S)
-        o_BKGE = _values(p_BKGS[..., :n], _rows(kv.v, pos - d_S))
-        if plan.kind == "learned" and plan.slots:
-            p_BKGR = p_BKGS[..., n:]
-            o_BKGE += _values(p_BKGR * (1 - frac_R), _rows(kv.v, near_R)) + _values(p_BKGR * frac_R, _rows(kv.v, far_R))
+        d_S = np.asarray(plan.distances[1:])  # distances are sorted and start at 0 (the window)
+        keys, values, valid = [_rows(kv.k, pos - d_S)], [_rows(kv.v, pos - d_S)], [pos >= d_S]
+    keys, values, valid = [k_BK1E, *keys], [v_BK1E, *values], [np.ones(1, bool), *valid]
+    scores = [_scores(q_BKGE, k) for k in keys]
+    learned = plan.kind == "learned" and bool(plan.slots)
+    if learned:
+        lo_R, frac_R, active_R = learned_rungs(attn.alpha(), plan.slots, window=plan.window, seq_len=plan.max_len)
+        near_R, far_R = pos - lo_R, jnp.maximum(pos - lo_R - 1, 0)  # far neighbour clamped at position 0
+        s_near, s_far = _scores(q_BKGE, _rows(kv.k, near_R)), _scores(q_BKGE, _rows(kv.k, far_R))
+        scores.append(s_near + frac_R * (s_far - s_near))  # the score is linear in the key
+        valid.append((pos >= lo_R) & active_R)
+    p_BKGS, _ = masked_softmax(jnp.concatenate(scores, -1), jnp.concatenate(valid, -1))
+    o_BKGE, col = 0.0, 0
+    for v in values:
+        o_BKGE += _values(p_BKGS[..., col : col + v.shape[2]], v)
+        col += v.shape[2]
+    if learned:
+        p_BKGR = p_BKGS[..., col:]
+        o_BKGE += _values(p_BKGR * (1 - frac_R), _rows(kv.v, near_R)) + _values(p_BKGR * frac_R, _rows(kv.v, far_R))
     return o_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)

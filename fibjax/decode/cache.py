@@ -55,7 +55,8 @@ class LayerPlan:
 
 
 class KV(NamedTuple):
-    """One layer's cache: k, v [B, R, K, E]; position p is row p % R."""
+    """One layer's cache: k, v [B, K, R, E] (heads before rows: the layout the single-query
+    matmuls read without a transposed copy of the cache); position p is row p % R."""
 
     k: Array
     v: Array
@@ -80,7 +81,7 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
             f"decoding a {acfg.kind!r} layer is not available yet: it needs a full cache (fibjax/decode/cache.py, "
             "_FULL_CACHE_KINDS) and a single-query attention (fibjax/decode/attend.py)")
     if not acfg.is_learned:
-        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=attn.alpha_init, seq_len=max_len)
+        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=attn.alpha(), seq_len=max_len)
         ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
         return LayerPlan("static", max(ds) + 1, max_len, distances=ds)
     window = tuple(range(min(acfg.window, max_len - 1) + 1))
@@ -88,7 +89,7 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     slots = offsets.learned_rung_bases(window=acfg.window, base=rungs, seq_len=max_len)
     reach = window[-1]
     if slots:
-        spec = learned_rungs(attn.alpha(), slots, window=acfg.window, seq_len=max_len)
+        spec = jax.jit(lambda a: learned_rungs(a, slots, window=acfg.window, seq_len=max_len))(attn.alpha())
         active_lo = np.asarray(spec.lo)[np.asarray(spec.active)]
         if active_lo.size:
             reach = max(reach, int(active_lo.max()) + 1 + LEARNED_MARGIN_ROWS)
@@ -97,13 +98,22 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
 
 def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim: int, dtype) -> Cache:
     """Zeros for every layer (the rows a position has not written yet are never attended)."""
-    return tuple(KV(*(jnp.zeros((batch, p.rows, kv_heads, head_dim), dtype) for _ in range(2))) for p in plans)
+    return tuple(KV(*(jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))) for p in plans)
 
 
-def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array) -> KV:
-    """Store the key/value of position ``pos`` (traced) in its row ``pos % R``."""
-    row = pos % kv.k.shape[1]
-    return KV(*(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), row, axis=1) for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE))))
+def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array) -> KV:
+    """Store the key/value of position ``pos`` (traced) in its row ``pos % R``, once ``after``
+    (the attention output that read the old cache) is computed.
+
+    The write takes a zero made from ``after`` (x * 0 is not folded for floats), so it depends
+    on every read of the cache. Without that order XLA:CPU copies each donated cache once or
+    twice per step (the whole dense cache per token, 30 ms at 64k tokens here) instead of
+    updating one row in place.
+    """
+    row = pos % kv.k.shape[2]
+    zero = after.reshape(after.shape[0], 1, 1, -1)[..., :1] * 0
+    return KV(*(jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x + zero.astype(x.dtype), 1, 2).astype(c.dtype), row, axis=2)
+                for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE))))
 
 
 def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
@@ -111,7 +121,7 @@ def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
     b, p, kh, e = k_BPKE.shape
     keep = min(p, plan.rows)
     rows = np.arange(p - keep, p) % plan.rows
-    return KV(*(jnp.zeros((b, plan.rows, kh, e), x.dtype).at[:, rows].set(x[:, p - keep :]) for x in (k_BPKE, v_BPKE)))
+    return KV(*(jnp.zeros((b, kh, plan.rows, e), x.dtype).at[:, :, rows].set(jnp.swapaxes(x[:, p - keep :], 1, 2)) for x in (k_BPKE, v_BPKE)))
 
 
 def cache_bytes(cache: Cache) -> int:

@@ -69,10 +69,10 @@ class Decoder:
         x_B1D, new_cache = model.embed(tokens_B[:, None]), []
         for block, plan, kv in zip(model.blocks, self.plans, cache):
             q, k, v = block.attn.qkv(block.attn_norm(x_B1D), positions_B1)
-            kv = cache_lib.write_token(kv, k, v, pos)
-            x_B1D = x_B1D + block.attn.o_proj(attend_token(plan, block.attn, q, kv, pos).reshape(b, 1, -1))
+            out_B1HE = attend_token(plan, block.attn, q, k, v, kv, pos)
+            new_cache.append(cache_lib.write_token(kv, k, v, pos, after=out_B1HE))
+            x_B1D = x_B1D + block.attn.o_proj(out_B1HE.reshape(b, 1, -1))
             x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
-            new_cache.append(kv)
         logits_BV = _logits(model, x_B1D)[:, 0]
         return tuple(new_cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, pos + 1))
 
@@ -114,7 +114,8 @@ class Decoder:
             ahead = self.step(cache, next_B, pos, sampler=sampler, key=key) if i + 1 < max_new_tokens else None
             tokens_B = np.asarray(next_B)
             yield tokens_B
-            stopped |= tokens_B == stop_token
+            if stop_token is not None:
+                stopped |= tokens_B == stop_token
             if ahead is None or stopped.all():
                 return
             cache, _, next_B = ahead

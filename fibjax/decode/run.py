@@ -1,0 +1,89 @@
+"""From a run directory to a model and tokenizer ready to sample, and the context limit.
+
+The tokenizer is the run's data directory's ``tokenizer.model`` (``data.path``, or
+``<workdir>/data`` for the embedded corpus). It is checked for *before* the run is loaded:
+loading would otherwise rebuild a missing embedded-corpus directory, and a checkpoint whose
+tokenizer is gone should be reported, not silently paired with a new one.
+
+Context limit (``context_limit``): a model with any full-cache (dense) layer takes at most its
+training length unless told otherwise (dense attention is what collapses past its training
+length, and its cache grows with every token); an offset model has no limit but memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flax import nnx
+
+from fibjax.config import TrainConfig
+from fibjax.data.token_files import TOKENIZER_FILE
+from fibjax.data.tokenizer import Tokenizer
+
+
+class SampleError(ValueError):
+    """The run cannot be sampled as asked; the message says why and what to do."""
+
+
+@dataclass
+class SamplingRun:
+    cfg: TrainConfig
+    step: int
+    model: object  # fibjax.model.Transformer with the checkpoint's parameters
+    tokenizer: Tokenizer
+
+
+def tokenizer_path(cfg: TrainConfig, workdir: Path) -> Path:
+    return (Path(cfg.data.path) if cfg.data.path else Path(workdir) / "data") / TOKENIZER_FILE
+
+
+def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
+    """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer."""
+    from fibjax.eval.runner import load_run
+    from fibjax.model import Transformer
+    from fibjax.train.checkpoint import load_run_config
+
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        raise SampleError(f"run directory {str(workdir)!r} does not exist")
+    cfg = load_run_config(workdir)
+    path = tokenizer_path(cfg, workdir)
+    if not path.is_file():
+        raise SampleError(f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "
+                          "checkpoints were trained with; restore it, or the data directory named by data.path)")
+    run = load_run(workdir, step)
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.sha256 != run.tokenizer_sha256:
+        raise SampleError(f"{path} is not the tokenizer this run's data was made with (sha256 {tokenizer.sha256[:12]}... "
+                          f"vs {run.tokenizer_sha256[:12]}... in meta.json)")
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    return SamplingRun(cfg, run.step, nnx.merge(graphdef, run.params), tokenizer)
+
+
+def context_limit(cfg: TrainConfig, max_context: int | None = None) -> int | None:
+    """Most tokens (prompt + new) a decode may hold: ``max_context`` when given; else the
+    training length for a model with dense layers, None (memory only) for offset models."""
+    if max_context is not None:
+        return max_context
+    return None if cfg.model.attention.kind == "offset" else cfg.seq_len
+
+
+def check_prompt_text(text: str) -> None:
+    if not text:
+        raise SampleError("the prompt is empty: give at least one character of text to continue")
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, max_new_tokens: int, limit: int | None) -> list[int]:
+    """The prompt's token ids, or SampleError when it is empty or the decode would not fit."""
+    if max_new_tokens < 1:
+        raise SampleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_text(text)
+    ids = tokenizer.encode(text)
+    if limit is not None and len(ids) >= limit:
+        raise SampleError(f"the prompt is {len(ids)} tokens, but this model takes at most {limit} tokens in all "
+                          "(prompt + new); shorten the prompt or raise --max-context")
+    if limit is not None and len(ids) + max_new_tokens > limit:
+        raise SampleError(f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceeds this model's limit of {limit} "
+                          f"tokens; ask for at most {limit - len(ids)} new tokens or raise --max-context")
+    return ids

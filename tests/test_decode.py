@@ -1,0 +1,273 @@
+"""Cached decoding (fibjax.decode) against the full forward, the samplers, and launch.sample.
+
+Tolerances on logits (cached vs full forward over the same tokens, same weights): float32
+atol 1e-4 (the two differ only in summation order: measured <= 1e-5); bfloat16 atol 0.1
+(activations rounded to 8 bits in a different order; logits are O(1)).
+"""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fibjax.attention import alpha_to_theta, attended_distances
+from fibjax.config import AttentionConfig, CheckpointConfig, DataConfig, EvalConfig, ModelConfig, TrainConfig
+from fibjax.data import train_tokenizer
+from fibjax.decode import GREEDY, Decoder, Sampler, TextStreamer, plan_layers, top_k_mask, top_p_mask
+from fibjax.decode import run as run_lib
+from fibjax.model import Transformer
+from launch import sample
+
+TOL = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+def tiny(num_layers=3, dtype="float32", **attention) -> ModelConfig:
+    return ModelConfig(vocab_size=97, d_model=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, dtype=dtype, attention=AttentionConfig(**attention))
+
+
+def cached_and_full(model, tokens_BT, prompt_len: int):
+    """Logits at positions prompt_len-1 .. T-1: from prefill + one step per token, and from one full forward."""
+    t = tokens_BT.shape[1]
+    full = np.asarray(nnx.jit(lambda m, x: m(x))(model, tokens_BT))[:, prompt_len - 1 :]
+    decoder = Decoder(model, max_len=t)
+    cache, logits, _ = decoder.prefill(tokens_BT[:, :prompt_len])
+    rows = [logits]
+    for pos in range(prompt_len, t):
+        cache, logits, _ = decoder.step(cache, tokens_BT[:, pos], pos)
+        rows.append(logits)
+    return np.stack([np.asarray(r) for r in rows], 1), full, decoder
+
+
+def with_alphas(model, alphas):
+    for block, a in zip(model.blocks, alphas):
+        block.attn.theta[...] = jnp.asarray(alpha_to_theta(a), jnp.float32)
+    return model
+
+
+# (attention, layers, capacity, prompt): each capacity is past some layer's ring buffer, and
+# the prompt ends before another buffer's end, so rows wrap both in the prefill and in steps.
+CASES = {
+    "dense": (dict(kind="dense"), 2, 48, 8),
+    # alpha 1: distances up to 987, 988 rows, crossed at position 988 by a step
+    "fib_fixed": (dict(kind="offset", alpha="fixed", window=2), 1, 1000, 970),
+    # alphas 0.5 / 1 / 1.5: 495 rows (wrapped twice), 988 (crossed by a step), capped at 1000
+    "fib_staggered": (dict(kind="offset", alpha="staggered", window=3), 3, 1000, 970),
+    # 5 layers: coprime slots 0 2 4 1 3 (alphas 0.5 1.0 1.5 0.75 1.25), unlike the linear order
+    "fib_coprime": (dict(kind="offset", alpha="coprime", window=3), 5, 1000, 970),
+    # pow2 at capacity 200: rungs up to 128; alpha 0.5 attends 64 from the prompt's position 64 on
+    "pow2_staggered": (dict(kind="offset", alpha="staggered", base="pow2", window=2), 3, 200, 150),
+    "bf16_fib_staggered": (dict(kind="offset", alpha="staggered", window=3, dtype="bfloat16"), 2, 200, 150),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cached_logits_equal_the_full_forward(name):
+    attention, layers, capacity, prompt = CASES[name]
+    dtype = attention.pop("dtype", "float32") if "dtype" in attention else "float32"
+    model = Transformer(tiny(layers, dtype, **attention), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, capacity), 0, 97)
+    cached, full, decoder = cached_and_full(model, tokens, prompt)
+    if name.startswith(("fib", "pow2")):
+        assert any(p.rows < capacity for p in decoder.plans)  # at least one ring buffer wraps
+    np.testing.assert_allclose(cached, full, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("base,capacity,prompt,alphas", [("fibonacci", 880, 820, [0.73, 1.37]), ("pow2", 200, 150, [0.73])])
+def test_learned_path_at_non_integer_alpha(base, capacity, prompt, alphas):
+    """Every rung interpolates between lo and lo + 1 (frac != 0); 0.73 x 987 = 720.5, 1.37 x 610 = 835.7."""
+    model = with_alphas(Transformer(tiny(len(alphas), kind="offset", alpha="learned", base=base, window=3), rngs=nnx.Rngs(0)), alphas)
+    np.testing.assert_allclose([float(a) for a in model.alphas()], alphas, rtol=1e-6)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (2, capacity), 0, 97)
+    cached, full, decoder = cached_and_full(model, tokens, prompt)
+    assert all(p.kind == "learned" and p.rows < capacity for p in decoder.plans)
+    np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
+
+
+def test_ring_buffers_hold_the_largest_distance_and_do_not_grow():
+    cfg = tiny(4, kind="offset", alpha="staggered", window=12)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    for capacity in (300, 4096, 65536):
+        rows = [p.rows for p in plan_layers(model, capacity)]
+        assert rows == [max(attended_distances(window=12, base="fibonacci", alpha=a, seq_len=capacity)) + 1 for a in model.alphas()]
+    assert rows == [495, 823, 1152, 1481]  # round(alpha * 987) + 1, whatever the capacity past 1481
+    dense = Transformer(tiny(2, kind="dense"), rngs=nnx.Rngs(0))
+    assert [p.rows for p in plan_layers(dense, 4096)] == [4096, 4096]
+    learned = with_alphas(Transformer(tiny(2, kind="offset", alpha="learned", window=12), rngs=nnx.Rngs(0)), [0.73, 1.37])
+    # far neighbour of the largest rung (floor(alpha * 987) + 1) and one row of margin
+    assert [p.rows for p in plan_layers(learned, 65536)] == [720 + 3, 1352 + 3]
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward_and_never_recompiles():
+    model = Transformer(tiny(2, kind="offset", alpha="staggered", window=3), rngs=nnx.Rngs(0))
+    prompts = jax.random.randint(jax.random.PRNGKey(3), (2, 1, 7), 0, 97)
+    decoder = Decoder(model, max_len=40)
+    for prompt in prompts:
+        tokens = np.concatenate(list(decoder.generate(prompt, 33, sampler=GREEDY)))
+        full = np.asarray(model(jnp.concatenate([prompt, tokens[None]], axis=1)))
+        np.testing.assert_array_equal(tokens, full[0, 6:-1].argmax(-1))
+    assert dict(decoder.traces) == {"prefill": 1, "step": 1}  # one trace for 2 x 32 steps
+
+
+def test_seeded_sampling_is_reproducible_never_recompiles_and_stops_at_the_stop_token():
+    model = Transformer(tiny(1, kind="offset", alpha="fixed", window=3), rngs=nnx.Rngs(0))
+    decoder = Decoder(model, max_len=30)
+    prompt = np.zeros((2, 5), np.int32)
+    sampler = Sampler(temperature=2.0, top_k=60, top_p=0.99)
+    run = lambda seed, stop=None: np.stack(list(decoder.generate(prompt, 25, sampler=sampler, seed=seed, stop_token=stop)))  # noqa: E731
+    a, b, c = run(0), run(0), run(1)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (25, 2) and not np.array_equal(a, c)
+    stop = int(a[3, 0])
+    stopped = run(0, stop)
+    np.testing.assert_array_equal(stopped, a[: len(stopped)])  # the same draws: position n uses fold_in(key, n)
+    assert all(stop in stopped[:, r] for r in range(2)) or len(stopped) == 25
+    assert stop not in stopped[:-1, 0] or stop not in stopped[:-1, 1]  # it ran until both rows had produced it
+    assert dict(decoder.traces) == {"prefill": 1, "step": 1}
+
+
+def test_top_k_and_top_p_masks():
+    logits = jnp.log(jnp.array([[0.05, 0.5, 0.15, 0.3], [0.25, 0.25, 0.25, 0.25]]))
+    np.testing.assert_array_equal(top_k_mask(logits, 2), [[False, True, False, True], [True, True, True, True]])  # ties kept
+    np.testing.assert_array_equal(top_p_mask(logits, 0.5), [[False, True, False, False], [True] * 4])  # ties kept
+    np.testing.assert_array_equal(top_p_mask(logits, 0.75), [[False, True, False, True], [True] * 4])
+    np.testing.assert_array_equal(top_p_mask(logits[:1], 0.81), [[False, True, True, True]])
+    np.testing.assert_array_equal(top_p_mask(logits[:1], 0.01), [[False, True, False, False]])  # never empty
+    filtered = Sampler(temperature=1.0, top_k=3, top_p=0.8, vocab_size=3).filtered_logits(logits)
+    np.testing.assert_array_equal(np.isfinite(filtered[0]), [False, True, True, False])  # id 3 is past the tokenizer
+
+
+def test_samplers_follow_their_distribution():
+    logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
+    keys = jax.random.split(jax.random.key(0), 4000)
+    draw = lambda s: np.asarray(jax.vmap(lambda k: s(logits, k))(keys))[:, 0]  # noqa: E731
+    np.testing.assert_array_equal(draw(GREEDY), 3)
+    np.testing.assert_allclose(np.bincount(draw(Sampler()), minlength=4) / 4000, [0.1, 0.2, 0.3, 0.4], atol=0.03)
+    tempered = np.array([0.1, 0.2, 0.3, 0.4]) ** 2
+    np.testing.assert_allclose(np.bincount(draw(Sampler(temperature=0.5)), minlength=4) / 4000, tempered / tempered.sum(), atol=0.03)
+    np.testing.assert_allclose(np.bincount(draw(Sampler(top_k=2)), minlength=4) / 4000, [0, 0, 3 / 7, 4 / 7], atol=0.03)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(top_p=0.0)
+
+
+def test_text_streamer_prints_complete_characters_only():
+    tokenizer = train_tokenizer(["hello world, the quick brown fox.\nfoo bar baz qux " * 20], 300)
+    prompt = tokenizer.encode("Say:")
+    new = tokenizer.encode(" héllo 🙂 wörld\n  tabs\tand ✓")
+    streamer = TextStreamer(tokenizer, prompt)
+    pieces = [streamer.push(t) for t in new] + [streamer.finish()]
+    assert "".join(pieces) == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)) :]
+    assert not any("\ufffd" in p for p in pieces)  # the emoji's four byte pieces come out as one character
+
+
+# --- launch.sample on a real (tiny) run -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from fibjax.train.loop import train
+
+    workdir = tmp_path_factory.mktemp("runs") / "tiny"
+    cfg = TrainConfig(name="tiny", steps=2, seq_len=32, global_batch=8,
+                      model=ModelConfig(vocab_size=384, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                        attention=AttentionConfig(kind="offset", alpha="staggered", window=4)),
+                      data=DataConfig(default_vocab_size=384), checkpoint=CheckpointConfig(every_steps=2, async_save=False),
+                      eval=EvalConfig(at_end=False))
+    train(cfg, workdir, progress=False)
+    return workdir
+
+
+def variant(run_dir, tmp_path, edit=None):
+    """A copy of the run (same weights), its config changed by ``edit``."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    if edit:
+        path = copy / "config.json"
+        cfg = json.loads(path.read_text())
+        edit(cfg)
+        path.write_text(json.dumps(cfg))
+    return copy
+
+
+def cli(capsys, *argv):
+    rc = sample.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_sample_streams_a_continuation(run_dir, capsys, tmp_path):
+    rc, out, err = cli(capsys, "--workdir", run_dir, "--prompt", "The for statement", "--max-new-tokens", 12, "--top-k", 40, "--seed", 3)
+    assert rc == 0 and out.startswith("The for statement") and len(out) > len("The for statement") and "step 2" in err
+
+
+def test_trained_run_decodes_like_its_full_forward_past_the_training_length(run_dir):
+    """Trained at 32 tokens; a 20-token prompt and 60 new tokens run to 80."""
+    loaded = run_lib.load(run_dir)
+    tokens = jnp.asarray([loaded.tokenizer.encode("def f(x):\n    return x * 2\n\nclass A:\n    pass\n" * 4)[:80]])
+    cached, full, _ = cached_and_full(loaded.model, tokens, 20)
+    np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
+
+
+def test_sample_errors(run_dir, capsys, tmp_path):
+    rc, _, err = cli(capsys, "--workdir", tmp_path / "nowhere", "--prompt", "x")
+    assert rc == 2 and "does not exist" in err
+    rc, _, err = cli(capsys, "--workdir", run_dir, "--prompt", "")
+    assert rc == 2 and "prompt is empty" in err
+    (tmp_path / "empty.txt").write_text("")
+    rc, _, err = cli(capsys, "--workdir", run_dir, "--prompt-file", tmp_path / "empty.txt")
+    assert rc == 2 and "prompt is empty" in err
+    rc, _, err = cli(capsys, "--workdir", run_dir, "--prompt-file", tmp_path / "missing.txt")
+    assert rc == 2 and "cannot read --prompt-file" in err
+    rc, _, err = cli(capsys, "--workdir", run_dir, "--prompt", "x", "--top-p", 1.5)
+    assert rc == 2 and "top_p" in err
+    rc, _, err = cli(capsys, "--workdir", run_dir, "--prompt", "x", "--step", 7)
+    assert rc == 2 and "no checkpoint for step 7" in err
+
+
+def test_sample_refuses_a_prompt_longer_than_a_dense_model_takes(run_dir, capsys, tmp_path):
+    dense = variant(run_dir, tmp_path, lambda c: c["model"]["attention"].update(kind="dense"))
+    long_prompt = "for x in range(10): print(x)\n" * 8  # > 32 tokens, the training length
+    rc, _, err = cli(capsys, "--workdir", dense, "--prompt", long_prompt, "--max-new-tokens", 4)
+    assert rc == 2 and "takes at most 32 tokens" in err
+    rc, _, err = cli(capsys, "--workdir", dense, "--prompt", "for x in", "--max-new-tokens", 40)
+    assert rc == 2 and "exceeds this model's limit of 32" in err
+    (tmp_path / "prompt.txt").write_text(long_prompt)
+    rc, out, _ = cli(capsys, "--workdir", dense, "--prompt-file", tmp_path / "prompt.txt", "--max-new-tokens", 4, "--max-context", 512, "--greedy")
+    assert rc == 0 and out.startswith(long_prompt)
+    offset_cfg = run_lib.load(run_dir).cfg
+    assert run_lib.context_limit(offset_cfg) is None and run_lib.context_limit(offset_cfg, 100) == 100  # offset models: no limit
+
+
+def test_sample_refuses_a_checkpoint_without_its_tokenizer(run_dir, capsys, tmp_path):
+    copy = variant(run_dir, tmp_path)
+    (copy / "data" / "tokenizer.model").unlink()
+    rc, _, err = cli(capsys, "--workdir", copy, "--prompt", "x")
+    assert rc == 2 and "has no tokenizer" in err and "tokenizer.model is missing" in err
+    elsewhere = variant(run_dir, tmp_path / "b", lambda c: c["data"].update(path=str(tmp_path / "gone")))
+    rc, _, err = cli(capsys, "--workdir", elsewhere, "--prompt", "x")
+    assert rc == 2 and "has no tokenizer" in err
+
+
+def test_block_sparse_layers_are_not_decodable_yet():
+    try:
+        cfg = tiny(1, kind="block_sparse")
+    except Exception:  # noqa: BLE001
+        pytest.skip("no block_sparse attention config in this build")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    with pytest.raises(NotImplementedError, match="full cache"):
+        plan_layers(model, 64)
+
+
+def test_decoder_checks_its_capacity():
+    decoder = Decoder(Transformer(tiny(1, kind="dense"), rngs=nnx.Rngs(0)), max_len=8)
+    with pytest.raises(ValueError, match="exceeds"):
+        list(decoder.generate(np.zeros((1, 5), np.int32), 4))
+    with pytest.raises(ValueError, match="max_len"):
+        decoder.prefill(np.zeros((1, 9), np.int32))
+    with pytest.raises(ValueError, match="capacity"):
+        decoder.step(decoder.init_cache(), np.zeros((1,), np.int32), 8)
+    assert dataclasses.replace(GREEDY, vocab_size=5).greedy
