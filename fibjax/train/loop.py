@@ -8,6 +8,8 @@ reaches disk.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import signal
@@ -31,6 +33,9 @@ from fibjax.train.step import build
 # Test-only fault injection: SIGKILL this process right after the checkpoint of this step is
 # on disk, to test exact resume after a crash deterministically.
 _FAULT_ENV = "FIBJAX_FAULT_AFTER_SAVE"
+# Test-only: append each step's row hashes to <dir>/batches.<process>.jsonl, to check that the
+# processes feed different rows that together make the 1-process batch.
+_BATCH_LOG_ENV = "FIBJAX_LOG_BATCHES"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -49,12 +54,8 @@ def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
     """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
     if cfg.data.path:
         return Path(cfg.data.path)
-    if jax.process_index() == 0:  # one writer; the others wait for it (shared filesystem)
-        data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("fibjax: default corpus prepared")
+    # one writer; the others wait for it (shared filesystem)
+    distributed.on_main(lambda: data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size), "preparing the default corpus")
     return Path(workdir) / "data"
 
 
@@ -92,10 +93,16 @@ class _Preemption:
         return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
+def _batch_log():
+    if not os.environ.get(_BATCH_LOG_ENV):
+        return None
+    return (Path(os.environ[_BATCH_LOG_ENV]) / f"batches.{jax.process_index()}.jsonl").open("a", buffering=1)
+
+
 def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> RunResult:
     distributed.initialize()
     workdir = Path(workdir)
-    claim_workdir(workdir, cfg)
+    distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")  # one writer of config.json
     data_dir = resolve_data_dir(cfg, workdir)
     check_vocab(cfg, data_dir)
     if cfg.global_batch % jax.process_count():
@@ -123,6 +130,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
     if start and distributed.is_main():
         tqdm.write(f"resuming {workdir} from step {start}")
     pending, last_time, rates = None, time.perf_counter(), []
+    batch_log = _batch_log()
 
     def flush(pending):
         step, metrics = pending
@@ -147,7 +155,10 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
     try:
         with _Preemption() as preemption, jax.set_mesh(mesh):
             for step in range(start, cfg.steps):
-                batch = jax.make_array_from_process_local_data(trainer.batch_sharding, next(data_iter))
+                local_BL = next(data_iter)  # this process's rows of the global batch
+                if batch_log:
+                    batch_log.write(json.dumps({"step": step + 1, "rows": [hashlib.sha1(r.tobytes()).hexdigest()[:12] for r in local_BL]}) + "\n")
+                batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
                 state, metrics = trainer.step(state, batch)
                 if pending:
                     flush(pending)
@@ -171,5 +182,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
     finally:
         bar.close()
         writer.close()
+        if batch_log:
+            batch_log.close()
         ckpt.close()
     return result
