@@ -79,32 +79,34 @@ def _kernel_rungs(rungs):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(spec: _Spec, q, k, v, rungs):
-    return _attention_fwd(spec, q, k, v, rungs)[0]
+def _attention(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, rungs):
+    """(out [B,T,H,D], lse [B,T,H]); rungs None (static path) or (lo [R] int, frac [R] float)."""
+    return _attention_fwd(spec, q_BTHD, k_BTKD, v_BTKD, rungs)[0]
 
 
-def _attention_fwd(spec: _Spec, q, k, v, rungs):
-    kh, t = k.shape[2], spec.seq_len
-    q_k, k_k, v_k = _queries_to_kernel(q, kh, spec), _keys_to_kernel(k, spec), _keys_to_kernel(v, spec)
-    o_BKGTD, lse_BKGT = kernels.forward(q_k, k_k, v_k, _kernel_rungs(rungs), **_kwargs(spec))
+def _attention_fwd(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, rungs):
+    kh, t = k_BTKD.shape[2], spec.seq_len
+    q_BKGTD = _queries_to_kernel(q_BTHD, kh, spec)
+    k_BKTD, v_BKTD = _keys_to_kernel(k_BTKD, spec), _keys_to_kernel(v_BTKD, spec)
+    o_BKGTD, lse_BKGT = kernels.forward(q_BKGTD, k_BKTD, v_BKTD, _kernel_rungs(rungs), **_kwargs(spec))
     out = (_queries_from_kernel(o_BKGTD, t), _rows_from_kernel(lse_BKGT, t))
-    return out, (q_k, k_k, v_k, out[0], lse_BKGT, rungs)
+    return out, (q_BKGTD, k_BKTD, v_BKTD, out[0], lse_BKGT, rungs)
 
 
 def _attention_bwd(spec: _Spec, residuals, cotangents):
-    q_k, k_k, v_k, out_BTHD, lse_BKGT, rungs = residuals
+    q_BKGTD, k_BKTD, v_BKTD, out_BTHD, lse_BKGT, rungs = residuals
     do_BTHD, dlse_BTH = cotangents
-    kh, t = k_k.shape[1], spec.seq_len
+    kh, t = k_BKTD.shape[1], spec.seq_len
     # d lse / d s = p, so an lse cotangent enters exactly like -delta (FlashAttention's D term)
     delta_BTH = jnp.sum(do_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1) - dlse_BTH
-    lse_k = jnp.pad(lse_BKGT, ((0, 0),) * 3 + ((0, spec.pad),))
-    dq, dk, dv, dfrac = kernels.backward(
-        q_k, k_k, v_k, _queries_to_kernel(do_BTHD, kh, spec), lse_k, _rows_to_kernel(delta_BTH, kh, spec),
+    dq_BKGTD, dk_BKTD, dv_BKTD, dfrac_R = kernels.backward(
+        q_BKGTD, k_BKTD, v_BKTD, _queries_to_kernel(do_BTHD, kh, spec),
+        jnp.pad(lse_BKGT, ((0, 0),) * 3 + ((0, spec.pad),)), _rows_to_kernel(delta_BTH, kh, spec),
         _kernel_rungs(rungs), **_kwargs(spec),
     )
-    dk_BTKD, dv_BTKD = (x[:, :, :t].transpose(0, 2, 1, 3) for x in (dk, dv))
-    d_rungs = None if rungs is None else (None, dfrac.astype(rungs[1].dtype))
-    return _queries_from_kernel(dq, t), dk_BTKD, dv_BTKD, d_rungs
+    dk_BTKD, dv_BTKD = (x[:, :, :t].transpose(0, 2, 1, 3) for x in (dk_BKTD, dv_BKTD))
+    d_rungs = None if rungs is None else (None, dfrac_R.astype(rungs[1].dtype))  # lo: integer, no cotangent
+    return _queries_from_kernel(dq_BKGTD, t), dk_BTKD, dv_BTKD, d_rungs
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
