@@ -1,8 +1,8 @@
 """Cached decoding (fibjax.decode) against the full forward, the samplers, and launch.sample.
 
-Tolerances on logits (cached vs full forward over the same tokens, same weights): float32
-atol 1e-4 (the two differ only in summation order: measured <= 1e-5); bfloat16 atol 0.1
-(activations rounded to 8 bits in a different order; logits are O(1)).
+Tolerances on logits (cached vs full forward over the same tokens, same weights; logits here
+reach |4.6|): float32 atol 1e-4 (the two differ only in summation order; measured <= 4.4e-6);
+bfloat16 atol 0.05 (activations rounded to 8 bits in another order; measured 7.8e-3).
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ from fibjax.decode import run as run_lib
 from fibjax.model import Transformer
 from launch import sample
 
-TOL = {"float32": 1e-4, "bfloat16": 0.1}
+TOL = {"float32": 1e-4, "bfloat16": 0.05}
 
 
 def tiny(num_layers=3, dtype="float32", **attention) -> ModelConfig:
@@ -55,7 +55,7 @@ CASES = {
     "dense": (dict(kind="dense"), 2, 48, 8),
     # alpha 1: distances up to 987, 988 rows, crossed at position 988 by a step
     "fib_fixed": (dict(kind="offset", alpha="fixed", window=2), 1, 1000, 970),
-    # alphas 0.5 / 1 / 1.5: 495 rows (wrapped twice), 988 (crossed by a step), capped at 1000
+    # alphas 0.5 / 1 / 1.5: 495 rows (wrapped twice), 988 (crossed by a step), 916 (1.5 x 610 + 1)
     "fib_staggered": (dict(kind="offset", alpha="staggered", window=3), 3, 1000, 970),
     # 5 layers: coprime slots 0 2 4 1 3 (alphas 0.5 1.0 1.5 0.75 1.25), unlike the linear order
     "fib_coprime": (dict(kind="offset", alpha="coprime", window=3), 5, 1000, 970),
