@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m launch.bench attention [--seq 1024,4096,16384] ...``.
+"""Benchmarks: ``python -m launch.bench {attention,formulations,decode,train} ...``.
 
 Prints a Markdown table of median times, achieved bandwidth and XLA peak memory, then the
 ratios measured side by side in this one run.
@@ -43,7 +43,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = sub.add_parser("train", help="train-step throughput of configs, side by side (synthetic batches)")
+    p.add_argument("--configs", default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config")
     args = parser.parse_args(argv)
+    if args.what == "train":
+        from fibjax.bench import train as train_bench
+
+        print(f"backend={jax.default_backend()} devices={len(jax.devices())} steps={args.steps} overrides={args.overrides}", flush=True)
+        rows = [train_bench.measure_config(c, args.overrides, args.steps) for c in args.configs.split(",") if c]
+        print(train_bench.table(rows))
+        return 0
     if args.what == "decode":
         from fibjax.bench import decode as decode_bench
 

@@ -34,6 +34,8 @@ class Case:
     window: int = 12
     num_layers: int = 16  # the static/learned alpha is the staggered alpha of the middle layer
     block_sizes: BlockSizes = BlockSizes()  # the Pallas rows'
+    sparse_block: int = 16  # block_sparse row: paper B's 16 blocks of 16 (receptive field 256)
+    sparse_blocks: int = 16
 
     @property
     def alpha(self) -> float:
@@ -79,14 +81,18 @@ class Unavailable(Exception):
     """A path that cannot run for this case on this machine (its row is left out)."""
 
 
+def _block_sparse(case: Case) -> Callable:
+    return lambda q, k, v: attention.block_sparse_attention(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks)
+
+
 PATHS: dict[str, Callable[[Case], Callable]] = {
-    "dense": _dense, "static": _static, "learned": _learned,
+    "dense": _dense, "static": _static, "learned": _learned, "block_sparse": _block_sparse,
     "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
 }
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
-    ("static", "dense"), ("learned", "static"), ("static_pallas", "static"), ("learned_pallas", "learned"),
+    ("static", "dense"), ("learned", "static"), ("block_sparse", "dense"), ("static_pallas", "static"), ("learned_pallas", "learned"),
     ("learned_pallas", "static_pallas"), ("static_pallas", "cudnn"), ("learned_pallas", "cudnn"),
 ]
 
@@ -94,7 +100,7 @@ RATIOS: list[tuple[str, str]] = [
 def default_paths() -> list[str]:
     """Every path that is fast enough to run here: on CPU the Pallas rows are interpret mode."""
     if jax.default_backend() == "cpu":
-        return ["dense", "static", "learned"]
+        return ["dense", "static", "learned", "block_sparse"]
     return list(PATHS)
 
 
