@@ -30,7 +30,7 @@ HEARTBEAT_S = 10
 # the same schedule as a 1-process run of steps=k, so their losses compare step by step.
 RUN = [*TINY, "steps=1000", "optim.final_lr_ratio=1.0", "checkpoint.every_steps=4"]
 # How the survivor of a killed process ends: JAX's runtime, or gloo (CPU collectives) first.
-SURVIVOR_MESSAGES = ("This most likely indicates that another task died", "gloo::EnforceNotMet", "gloo::IoException")
+SURVIVOR_MESSAGES = ("This most likely indicates that another task died", "gloo::EnforceNotMet")
 # Tolerance: float32; the 2-process step sums the loss and gradients across processes (gloo) in
 # another order than one process does. Measured: at most 1 ulp-scale differences (~8e-8 relative).
 RTOL = 1e-5
@@ -160,17 +160,17 @@ def test_two_processes_survive_a_kill_resume_and_match_one_process(tmp_path, dat
     with Job(cmd, tmp_path / "ref.log", env) as job:
         assert job.wait(150) == 0, job.output()[-3000:]
 
-    two, one = read_metrics(work), read_metrics(ref)
-    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, final + 1))
-    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=RTOL)
-    assert one[-1]["loss"] < one[0]["loss"]
-
     # Each process fed its own half of every global batch: different rows, together the 1-process batch.
     p0, p1, whole = fed_rows(batches, 0), fed_rows(batches, 1), fed_rows(ref_batches, 0)
     for step in range(1, final + 1):
         assert len(p0[step]) == len(p1[step]) == 4
         assert not set(p0[step]) & set(p1[step]), f"step {step}: both processes fed the same rows"
         assert p0[step] + p1[step] == whole[step], f"step {step}: the processes' rows are not the 1-process batch"
+
+    two, one = read_metrics(work), read_metrics(ref)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, final + 1))
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=RTOL)
+    assert one[-1]["loss"] < one[0]["loss"]
 
 
 def test_a_failure_on_process_0_ends_every_process(tmp_path, data_dir):
