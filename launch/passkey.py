@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tag = "-".join(a.replace("=", "_") for a in args.attention)
-    attention = model_cfg.attention
+    how = f"{model_cfg.attention.kind} attention" + (f", {' '.join(args.attention)}" if args.attention else "")
     result.update(run=run.cfg.name, step=run.step, train_seq_len=run.cfg.seq_len, attention_override=args.attention,
-                  title=f"Passkey retrieval: {run.cfg.name} step {run.step} ({attention.kind} attention{', ' + tag if tag else ''})")
+                  title=f"Passkey retrieval: {run.cfg.name} step {run.step}, trained at {run.cfg.seq_len} ({how})")
     out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
     paths = passkey.write_passkey_outputs(result, out)
     print(passkey.format_markdown(result))

@@ -201,7 +201,7 @@ def plot_heatmap(result: dict, path: Path) -> None:
     ax.tick_params(which="minor", length=0)
     for (i, j), a in np.ndenumerate(acc):
         ax.text(j, i, f"{100 * a:.0f}%\n{result['correct'][i][j]}/{result['trials']}", ha="center", va="center", fontsize=8,
-                color="white" if a < 0.2 or a > 0.85 else "black")
+                color="white" if a < 0.25 or a > 0.85 else "black")
     fig.colorbar(image, ax=ax, label="exact-match accuracy", format=lambda x, _: f"{100 * x:.0f}%")
     ax.set_title(f"{result.get('title', 'Passkey retrieval')}\nmean {100 * result['mean_accuracy']:.0f}%, {result['trials']} trials per cell",
                  fontsize=10)
