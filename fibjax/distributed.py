@@ -43,11 +43,13 @@ class DistributedError(RuntimeError):
 
 def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
-    if value is None and default is not None:
+    if value is None:
+        if default is None:
+            raise DistributedError(f"{name} must be set (with FIBJAX_COORDINATOR; --num-processes and --process-id set them)")
         return default
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except ValueError:
         raise DistributedError(f"{name} must be an integer, got {value!r}") from None
 
 
