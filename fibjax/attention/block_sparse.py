@@ -54,7 +54,8 @@ def _select(q_BCKGD: Array, ksum_BNKD: Array, query_start, *, block: int, top: i
     if top == 0:
         return own_BCKS
     qsum_BCKD = jnp.sum(jax.lax.stop_gradient(q_BCKGD).astype(jnp.float32), axis=3)
-    s_BCKN = jnp.einsum("bckd,bnkd->bckn", qsum_BCKD, jax.lax.stop_gradient(ksum_BNKD))
+    # full float32 even where TF32 / bf16 passes are the default (GPU, TPU): the choice is discrete
+    s_BCKN = jnp.einsum("bckd,bnkd->bckn", qsum_BCKD, jax.lax.stop_gradient(ksum_BNKD), precision=jax.lax.Precision.HIGHEST)
     earlier_CN = jnp.arange(ksum_BNKD.shape[1])[None, :] < own_C[:, None]
     _, idx_BCKS = jax.lax.top_k(jnp.where(earlier_CN[None, :, None, :], s_BCKN, -jnp.inf), top)
     # a slot is filled iff its block is earlier; -inf candidates sort after every real score
@@ -87,7 +88,7 @@ def _chunk(qraw_BCKGD: Array, k_BKNJD: Array, v_BKNJD: Array, ksum_BNKD: Array, 
 
 
 def _layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
-    """(chunk, padded length): the chunk is a multiple of the block, the length of the chunk."""
+    """(queries per chunk, padded length): the chunk is a multiple of the block and divides the length."""
     t_blocks = -(-t // block) * block
     chunk = min(max(1, query_chunk // block) * block, t_blocks)
     return chunk, -(-t // chunk) * chunk
