@@ -42,10 +42,10 @@ def retrieval_oracle(tokenizer, fail_below_depth=None):
     return predict
 
 
-@pytest.mark.parametrize("length", [82, 100, 257])
+@pytest.mark.parametrize("length, phase", [(82, 0), (100, 3), (257, 0), (257, 4)])
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
-def test_prompt_has_exact_length_and_the_key_at_the_depth(tok, length, depth):
-    p = passkey.build_prompt(tok, length, depth, "48213")
+def test_prompt_has_exact_length_and_the_key_at_the_depth(tok, length, phase, depth):
+    p = passkey.build_prompt(tok, length, depth, "48213", phase)
     needle = tok.encode(passkey.NEEDLE.format(key="48213"))
     question, answer = passkey._answer_tokens(tok, "48213")
     assert len(p.tokens) == length + 1 and p.tokens.dtype == np.int32
@@ -55,8 +55,10 @@ def test_prompt_has_exact_length_and_the_key_at_the_depth(tok, length, depth):
     assert list(p.tokens[p.answer_start :]) == answer and tok.decode(answer).strip() == "48213"
     text = tok.decode(p.tokens)
     assert text.endswith(f"{passkey.QUESTION} 48213") and text.count("48213") == 3
+    before_question = text[: -len(f" {passkey.QUESTION} 48213")]
+    assert p.needle_start == p.haystack or before_question.endswith(passkey.FILLER[-1 - phase])
     # from the first whole sentence on, the tokens are exactly how the joined text encodes
-    first = passkey.build_prompt(tok, length, 0.0, "48213").needle_start
+    first = passkey.build_prompt(tok, length, 0.0, "48213", phase).needle_start
     assert tok.encode(tok.decode(p.tokens[first:])) == list(p.tokens[first:])
     if depth == 1.0:
         assert p.needle_start == p.haystack and p.depth == 1.0
@@ -67,9 +69,10 @@ def test_prompt_errors_and_keys(tok):
         passkey.build_prompt(tok, 80, 0.5, "12345")
     with pytest.raises(EvalError, match="depth"):
         passkey.build_prompt(tok, 64, 1.5, "12345")
-    keys = {passkey.random_key(0, 64, d, i) for d in (0.0, 0.5) for i in range(20)}
-    assert len(keys) == 40 and all(len(k) == 5 and k.isdigit() for k in keys)
-    assert passkey.random_key(3, 64, 0.5, 1) == passkey.random_key(3, 64, 0.5, 1)
+    trials = [passkey.random_trial(0, 64, d, i) for d in (0.0, 0.5) for i in range(20)]
+    assert len({k for k, _ in trials}) == 40 and all(len(k) == 5 and k.isdigit() for k, _ in trials)
+    assert {phase for _, phase in trials} == set(range(len(passkey.FILLER)))
+    assert passkey.random_trial(3, 64, 0.5, 1) == passkey.random_trial(3, 64, 0.5, 1)
 
 
 def test_oracle_scores_one_and_random_scores_zero(tok):

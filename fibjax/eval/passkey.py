@@ -49,10 +49,12 @@ class Prompt:
         return self.needle_start / self.haystack if self.haystack else 0.0
 
 
-def random_key(seed: int, length: int, depth: float, trial: int) -> str:
-    """A 5-digit key, a function of the cell and trial only (not of the rest of the grid)."""
+def random_trial(seed: int, length: int, depth: float, trial: int) -> tuple[str, int]:
+    """(5-digit key, filler phase) of one trial: a function of the cell and trial only, not of
+    the rest of the grid. The phase (which sentence comes last) varies the haystack too, so a
+    cell does not hang on one arrangement of sentences around the needle."""
     rng = np.random.default_rng([seed, length, round(depth * 1_000_000), trial])
-    return str(int(rng.integers(10_000, 100_000)))
+    return str(int(rng.integers(10_000, 100_000))), int(rng.integers(len(FILLER)))
 
 
 def _answer_tokens(tokenizer, key: str) -> tuple[list[int], list[int]]:
@@ -63,10 +65,11 @@ def _answer_tokens(tokenizer, key: str) -> tuple[list[int], list[int]]:
     return full[:common], full[common:]
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
+def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0) -> Prompt:
     """The ``length``-token prompt (+ the answer's last token as the final target).
 
-    The filler is the sentences cycled and cut at the *front* so that it ends on a sentence;
+    The filler is the sentences cycled and cut at the *front* so that it ends on a sentence
+    (``FILLER[-1 - phase]``);
     the needle goes in at the sentence start nearest to ``depth`` x filler tokens (0: the first
     whole sentence, 1: right before the question; equally near: the earlier one)."""
     if not 0.0 <= depth <= 1.0:
@@ -79,7 +82,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
     units = [tokenizer.encode(s) for s in FILLER]
     stream, starts = [], []
     while len(stream) < haystack:  # backwards from the question, one whole sentence at a time
-        unit = units[-1 - len(starts) % len(units)]
+        unit = units[(-1 - phase - len(starts)) % len(units)]
         stream = unit + stream
         starts = [0] + [s + len(unit) for s in starts]
     cut = len(stream) - haystack
@@ -129,7 +132,7 @@ def passkey_grid(model_cfg, params, tokenizer, lengths: Sequence[int], depths: S
     cells = []
     for length in lengths:
         for depth in depths:
-            prompts = [build_prompt(tokenizer, length, depth, random_key(seed, length, depth, i)) for i in range(trials)]
+            prompts = [build_prompt(tokenizer, length, depth, *random_trial(seed, length, depth, i)) for i in range(trials)]
             tokens = np.stack([p.tokens[:-1] for p in prompts])
             predicted = np.concatenate([_fixed_batch(predict, params, tokens[i : i + rows], rows) for i in range(0, trials, rows)])
             exact, frac = score(prompts, predicted)
