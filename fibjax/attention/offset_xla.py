@@ -64,9 +64,12 @@ def _shift_dynamic_bwd(d, g_BTKD):
 _shift_dynamic.defvjp(_shift_dynamic_fwd, _shift_dynamic_bwd)
 
 
-def _edge_shift1(x_BTKD: Array) -> Array:
-    """out[:, i] = x[:, max(i - 1, 0)]: the far neighbour of an interpolated rung, clamped at 0."""
-    return jnp.concatenate([x_BTKD[:, :1], x_BTKD[:, :-1]], axis=1)
+def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
+    """x[max(i - lo - 1, 0)] from near = x[i - lo]: near one row earlier, except at i = lo where
+    the clamp gives x[0] = near[lo]. One static shift instead of a second dynamic one (the
+    learned path was 17% faster end to end; BUILD_NOTES.md, "XLA formulation")."""
+    at_lo_T = jnp.arange(near_BTKD.shape[1]) == lo
+    return jnp.where(at_lo_T[None, :, None, None], near_BTKD, _shift(near_BTKD, 1))
 
 
 # --- the band (window) ----------------------------------------------------------------------
@@ -161,10 +164,9 @@ def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], 
         scores.append(_slot_scores(q_BTKGD, _shift(k, d))[..., None])
         valid.append(jnp.asarray(pos_T >= d)[:, None])
     if rungs is not None:
-        k_far = _edge_shift1(k)
         for lo, frac, active in zip(*rungs):
-            near = _slot_scores(q_BTKGD, _shift_dynamic(k, lo))
-            far = _slot_scores(q_BTKGD, _shift_dynamic(k_far, lo))
+            k_near = _shift_dynamic(k, lo)
+            near, far = _slot_scores(q_BTKGD, k_near), _slot_scores(q_BTKGD, _far_neighbour(k_near, lo))
             scores.append((near + frac * (far - near))[..., None])  # the score is linear in the key
             valid.append(((pos_T >= lo) & active)[:, None])
     if not scores:  # no distance is short enough for this length: every row is empty
@@ -179,10 +181,9 @@ def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], 
         o_BTKGD += _slot_values(p_BTKGS[..., col], _shift(v, d))
         col += 1
     if rungs is not None:
-        v_far = _edge_shift1(v)
         for lo, frac, _ in zip(*rungs):
-            p_BTKG = p_BTKGS[..., col]
-            o_BTKGD += _slot_values(p_BTKG * (1 - frac), _shift_dynamic(v, lo)) + _slot_values(p_BTKG * frac, _shift_dynamic(v_far, lo))
+            p_BTKG, v_near = p_BTKGS[..., col], _shift_dynamic(v, lo)
+            o_BTKGD += _slot_values(p_BTKG * (1 - frac), v_near) + _slot_values(p_BTKG * frac, _far_neighbour(v_near, lo))
             col += 1
     return finish(o_BTKGD, lse_BTKG, q[:, :seq_len], return_lse)
 
