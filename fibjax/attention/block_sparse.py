@@ -29,7 +29,8 @@ import numpy as np
 from fibjax.attention.common import Array, check_qkv, finish, masked_softmax, stats_dtype
 
 # Queries per lax.map step: bounds the gathered K/V at chunk x S x B x K x D per batch row.
-QUERY_CHUNK = 512
+# 256 beat 512 on CPU in time and memory (BUILD_NOTES); untuned on accelerators.
+QUERY_CHUNK = 256
 
 
 def _pad_to(x_BTKD: Array, t_pad: int) -> Array:
