@@ -198,7 +198,7 @@ def test_rows_without_keys_are_zero_with_minus_inf_lse():
     assert np.all(np.isfinite(np.asarray(g)))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     b=st.integers(1, 2), t=st.integers(1, 70), kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 3]),
     d=st.sampled_from([2, 4, 8]), window=st.integers(0, 9), alpha=st.floats(0.5, 1.5), seed=st.integers(0, 2**16),
