@@ -8,7 +8,7 @@ log-sum-exp of the scaled scores over the keys the query attended (-inf if none)
 
 The offset paths take ``implementation``: ``"xla"`` (``offset_xla.py``), ``"pallas"``
 (``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks Pallas on GPU
-and TPU and XLA on CPU.
+and TPU and XLA on CPU. Under a device mesh the kernels run per shard (``sharded.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fibjax.attention.dense import dense_attention_xla
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import backend as pallas_backend
 from fibjax.attention.pallas import interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.sharded import per_shard
 
 Array = jax.Array
 
@@ -42,7 +43,8 @@ def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], 
     check_qkv(q, k, v)
     distances = _check_distances(distances)
     if pallas_backend.use_pallas(implementation):
-        return offset_attention_pallas(q, k, v, distances=distances, return_lse=return_lse)
+        kernel = lambda q, k, v: offset_attention_pallas(q, k, v, distances=distances, return_lse=return_lse)  # noqa: E731
+        return per_shard(kernel, q, k, v, return_lse=return_lse)
     return offset_attention_xla(q, k, v, distances=distances, return_lse=return_lse)
 
 
@@ -65,7 +67,8 @@ def interpolated_attention(
         if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX:
             raise ValueError(f"alpha must lie in [0.5, 1.5], got {a}")
     if pallas_backend.use_pallas(implementation):
-        return interpolated_attention_pallas(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
+        kernel = lambda q, k, v, a: interpolated_attention_pallas(q, k, v, window=window, base=base, alpha=a, return_lse=return_lse)  # noqa: E731
+        return per_shard(kernel, q, k, v, jax.numpy.asarray(alpha, jax.numpy.float32), return_lse=return_lse)
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
 
 
