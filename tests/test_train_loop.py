@@ -134,3 +134,20 @@ def test_loss_falls_on_real_text(tmp_path):
     result = train(cfg, tmp_path / "run", progress=False)
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 1.0, (first, last)
+
+
+def test_a_save_interrupted_half_way_leaves_the_previous_checkpoint_usable(tmp_path, data_dir):
+    """Orbax writes a step into '<step>.orbax-checkpoint-tmp-*' and renames it when complete: a
+    half-written step (as a kill mid-save leaves it) is ignored and the run resumes from the last
+    complete one, whose files are untouched."""
+    rc, out = train_cmd(tmp_path / "run", data_dir, "steps=4", "checkpoint.every_steps=4")
+    assert rc == 0, out
+    ckpts = tmp_path / "run" / "checkpoints"
+    before = {p.relative_to(ckpts): p.read_bytes() for p in (ckpts / "4").rglob("*") if p.is_file()}
+    partial = ckpts / "6.orbax-checkpoint-tmp-1234567"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(b"\x00half a checkpoint")
+    rc, out = train_cmd(tmp_path / "run", data_dir, "steps=6", "checkpoint.every_steps=4")
+    assert rc == 0 and "from step 4" in out, out
+    assert {p.relative_to(ckpts): p.read_bytes() for p in (ckpts / "4").rglob("*") if p.is_file()} == before
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
