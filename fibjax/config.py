@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
-import json
 import types
 import typing
 from dataclasses import dataclass, field
@@ -273,21 +272,16 @@ class TrainConfig:
 # Generic machinery: overrides, dict/JSON round trip, loading config files.
 
 
-def _type_hints(cls) -> dict[str, typing.Any]:
-    return typing.get_type_hints(cls)
-
-
 def _coerce(value, tp, path: str):
     """Convert a parsed literal to annotation ``tp`` or raise ConfigError naming ``path``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for option in typing.get_args(tp):
             try:
                 return _coerce(value, option, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} matches none of {tp}")
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: {value!r} is none of the accepted types {tp}")
     if tp is type(None):
         if value is None:
             return None
@@ -336,7 +330,7 @@ def _parse_literal(text: str):
 
 def from_dict(cls, data: dict, path: str = ""):
     """Build dataclass ``cls`` from a (nested) dict; unknown keys are errors naming them."""
-    hints = _type_hints(cls)
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
@@ -373,19 +367,11 @@ def _replace_path(node, keys: list[str], value, full: str):
             raise ConfigError(f"{full}: {head!r} is a value, not a section")
         value = _replace_path(child, keys[1:], value, full)
     else:
-        value = _coerce(value, _type_hints(type(node))[head], full)
+        value = _coerce(value, typing.get_type_hints(type(node))[head], full)
     try:
         return dataclasses.replace(node, **{head: value})
     except ConfigError as e:
         raise ConfigError(f"{full}: {e}") from None
-
-
-def save_json(cfg, path: Path) -> None:
-    Path(path).write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-
-
-def load_json(cls, path: Path):
-    return from_dict(cls, json.loads(Path(path).read_text()))
 
 
 def load_config_file(path: str | Path):

@@ -51,6 +51,11 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
 
 
+def theta_to_alpha(theta: Array) -> Array:
+    """A learned layer's alpha, 0.5 + sigmoid(theta): always inside (0.5, 1.5)."""
+    return offsets.ALPHA_MIN + jax.nn.sigmoid(theta)
+
+
 class SSAStreams(NamedTuple):
     """Paper B training: run both streams, pass on the sparse one iff ``use_sparse`` (traced)."""
 
@@ -98,7 +103,7 @@ class Attention(nnx.Module):
         if acfg.kind != "offset":
             return None
         if acfg.is_learned:
-            return offsets.ALPHA_MIN + jax.nn.sigmoid(self.theta[...])
+            return theta_to_alpha(self.theta[...])
         return acfg.layer_alphas(self.cfg.num_layers)[self.layer]
 
     def qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
@@ -194,8 +199,14 @@ class Transformer(nnx.Module):
             run_block = nnx.remat(run_block)
         for block in self.blocks:
             x_BTD = run_block(block, x_BTD)
+        return self.logits(x_BTD)
+
+    def logits(self, x_BTD: Array) -> Array:
+        """Final norm and the tied output projection, accumulated and returned in float32 even
+        when the model computes in bf16 (the loss and every perplexity come from these)."""
         x_BTD = self.final_norm(x_BTD)
-        return self.embed.attend(x_BTD).astype(jnp.float32)
+        table_VD = self.embed.embedding[...].astype(x_BTD.dtype)
+        return jnp.einsum("btd,vd->btv", x_BTD, table_VD, preferred_element_type=jnp.float32)
 
     def alphas(self) -> list[float | Array | None]:
         """Per-layer alpha (None for layers without one)."""

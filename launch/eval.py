@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.train.checkpoint import CheckpointError, load_run_config
 
     try:
+        bad = [item for item in args.data if "=" not in item]
+        if bad:
+            raise ConfigError(f"--data {bad[0]!r}: expected NAME=DIR[:SOURCE]")
         specs = dict(item.split("=", 1) for item in args.data) if args.data else None
         overrides = args.attention
         if args.inference_mode or args.num_blocks or args.block_size:

@@ -55,6 +55,7 @@ EOF
 echo "== 2. block sizes at 16k tokens, bf16, fwd+bwd"
 BEST=$(timeout 120 $PY - <<'EOF' | tee /dev/stderr | tail -1
 import sys
+import jax.numpy as jnp
 from fibjax.attention.pallas import BlockSizes
 from fibjax.bench import attention as ab
 from fibjax.bench.timing import measure
@@ -63,7 +64,7 @@ for blocks in ((64, 64, 4, 2), (128, 128, 4, 2), (128, 128, 8, 2), (32, 64, 4, 2
     case = ab.Case(seq_len=16384, kv_heads=8, dtype="bfloat16", block_sizes=BlockSizes(*blocks))
     q, k, v = ab.inputs(case)
     try:
-        ms = [measure(ab.forward_backward(ab.PATHS[p](case)), q, k, v, repeats=10).ms for p in ("static_pallas", "learned_pallas")]
+        ms = [measure(ab.forward_backward(ab.PATHS[p](case)), q, k, v, jnp.float32(case.alpha), repeats=10).ms for p in ("static_pallas", "learned_pallas")]
     except Exception as e:
         print(blocks, "FAILED", type(e).__name__, str(e)[:500], file=sys.stderr)
         continue

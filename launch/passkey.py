@@ -32,17 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fibjax.config import ConfigError, apply_overrides
-    from fibjax.data import DataError, Tokenizer, TokenizerError
-    from fibjax.data.token_files import TOKENIZER_FILE
+    from fibjax.data import DataError, TokenizerError
     from fibjax.eval import passkey, runner
     from fibjax.eval.perplexity import EvalError
     from fibjax.train.checkpoint import CheckpointError
 
     try:
         run = runner.load_run(args.workdir, args.step)
-        tokenizer = Tokenizer.load(run.data_dir / TOKENIZER_FILE)
-        if tokenizer.sha256 != run.tokenizer_sha256:
-            raise EvalError(f"{run.data_dir / TOKENIZER_FILE} is not the tokenizer the run's data was made with")
+        tokenizer = runner.run_tokenizer(run)
         if args.attention:
             params, model_cfg = runner.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
         else:

@@ -57,8 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval.at_end skipped in a {jax.process_count()}-process job; run: python -m launch.eval --workdir {workdir}")
     elif cfg.eval.at_end and not result.preempted:
         from fibjax.eval import runner
+        from fibjax.eval.perplexity import EvalError
 
-        report, path = runner.evaluate_workdir(workdir)
+        try:
+            report, path = runner.evaluate_workdir(workdir)
+        except (EvalError, DataError, CheckpointError) as e:  # training succeeded; say why its evaluation could not run
+            print(f"error: the end-of-run evaluation failed: {e}\nThe run itself is complete in {workdir}.", file=sys.stderr)
+            return 2
         print(runner.format_table(report))
         print(f"written: {path}")
     return 0

@@ -342,3 +342,18 @@ def test_pipeline_argument_errors(prepared):
         train_iterator(prepared, {}, seq_len=wiki_tokens, global_batch=2, seed=0)
     with pytest.raises(DataError, match=r"unknown source 'nope'.*\['fineweb', 'stories', 'wiki'\]"):
         validation_tokens(prepared, "nope")
+
+
+def test_max_tokens_stops_at_the_document_that_reaches_the_budget(corpus, prepared, tmp_path):
+    """The budget is checked per document, not per encoding batch: the split ends with the
+    first document that reaches it (kept whole), so it overshoots by less than one document."""
+    out = tmp_path / "budget"
+    tok = Tokenizer.load(prepared / "tokenizer.model")
+    budget = 60000
+    meta = prepare(out, {"fineweb": str(corpus["fineweb"])}, tokenizer=str(prepared / "tokenizer.model"), max_tokens=budget,
+                   val_fraction=0.1, progress=False)
+    train = meta["sources"]["fineweb"]["train"]
+    docs = [d for d in texts_of(corpus["fineweb"]) if not is_held_out(d, 0.1)][: train["documents"]]
+    lengths = [len(tok.encode(d)) + 1 for d in docs]
+    assert sum(lengths) == train["tokens"] >= budget
+    assert sum(lengths[:-1]) < budget  # without its last document the split is under the budget

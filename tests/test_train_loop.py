@@ -151,3 +151,26 @@ def test_a_save_interrupted_half_way_leaves_the_previous_checkpoint_usable(tmp_p
     assert rc == 0 and "from step 4" in out, out
     assert {p.relative_to(ckpts): p.read_bytes() for p in (ckpts / "4").rglob("*") if p.is_file()} == before
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_data_prepared_again_under_the_same_path_is_refused(tmp_path):
+    """A run records its tokenizer; resuming or evaluating with data re-tokenized under the same
+    path (other token ids) is an error, not silently wrong numbers."""
+    import shutil
+
+    from fibjax.config import TrainConfig, apply_overrides
+    from fibjax.data import DataError
+    from fibjax.eval import runner
+    from fibjax.train.checkpoint import CheckpointError
+    from fibjax.train.loop import train
+
+    data = tmp_path / "data"
+    prepare_default(data, vocab_size=384)
+    cfg = apply_overrides(TrainConfig(), [*TINY, "steps=2", f"data.path={data}"])
+    train(cfg, tmp_path / "run", progress=False)
+    shutil.rmtree(data)
+    prepare_default(data, vocab_size=400)
+    with pytest.raises(CheckpointError, match="trained with tokenizer"):
+        train(apply_overrides(cfg, ["steps=4"]), tmp_path / "run", progress=False)
+    with pytest.raises(DataError, match="tokenizer mismatch"):
+        runner.load_run(tmp_path / "run")

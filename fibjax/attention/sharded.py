@@ -15,6 +15,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
+# The mesh's axis names, defined here (the lowest layer that needs them) and used by train.sharding.
 BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 

@@ -1,7 +1,10 @@
 """``python -m launch.bench attention``: every attention path, forward and forward+backward.
 
 Paths are registered in ``PATHS`` (name -> builder); each builder gets the case and returns
-``f(q, k, v) -> out``. Ratios are computed from timings taken in the same process.
+``f(q, k, v, alpha) -> out``. alpha is an argument of the timed program, as it is in training
+(traced from theta): a closed-over constant would let XLA fold the learned path's rung shifts
+into static ones. fwd+bwd differentiates q, k, v and alpha. Ratios are computed from timings
+taken in the same process.
 
 ``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (interpret mode on
 CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU only when named
@@ -43,7 +46,7 @@ class Case:
 
 
 def _dense(case: Case) -> Callable:
-    return attention.dense_attention
+    return lambda q, k, v, alpha: attention.dense_attention(q, k, v)
 
 
 def _distances(case: Case) -> tuple[int, ...]:
@@ -52,29 +55,27 @@ def _distances(case: Case) -> tuple[int, ...]:
 
 def _static(case: Case) -> Callable:
     ds = _distances(case)
-    return lambda q, k, v: attention.offset_attention(q, k, v, distances=ds, implementation="xla")
+    return lambda q, k, v, alpha: attention.offset_attention(q, k, v, distances=ds, implementation="xla")
 
 
 def _learned(case: Case) -> Callable:
-    # alpha is an argument of the jitted function in training; close over a traced copy here
-    alpha = jnp.float32(case.alpha)
-    return lambda q, k, v: attention.interpolated_attention(q, k, v, window=case.window, base="fibonacci", alpha=alpha, implementation="xla")
+    return lambda q, k, v, alpha: attention.interpolated_attention(q, k, v, window=case.window, base="fibonacci", alpha=alpha, implementation="xla")
 
 
 def _static_pallas(case: Case) -> Callable:
     ds = _distances(case)
-    return lambda q, k, v: offset_attention_pallas(q, k, v, distances=ds, block_sizes=case.block_sizes)
+    return lambda q, k, v, alpha: offset_attention_pallas(q, k, v, distances=ds, block_sizes=case.block_sizes)
 
 
 def _learned_pallas(case: Case) -> Callable:
-    alpha = jnp.float32(case.alpha)
-    return lambda q, k, v: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha, block_sizes=case.block_sizes)
+    return lambda q, k, v, alpha: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha,
+                                                                 block_sizes=case.block_sizes)
 
 
 def _cudnn(case: Case) -> Callable:
     if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
         raise Unavailable("cudnn needs a GPU and a 16-bit dtype")
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
+    return lambda q, k, v, alpha: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
 
 
 class Unavailable(Exception):
@@ -82,7 +83,7 @@ class Unavailable(Exception):
 
 
 def _block_sparse(case: Case) -> Callable:
-    return lambda q, k, v: attention.block_sparse_attention(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks)
+    return lambda q, k, v, alpha: attention.block_sparse_attention(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks)
 
 
 PATHS: dict[str, Callable[[Case], Callable]] = {
@@ -115,10 +116,10 @@ def inputs(case: Case):
 
 
 def forward_backward(f: Callable) -> Callable:
-    def loss(q, k, v):
-        return jnp.sum(f(q, k, v).astype(jnp.float32))
+    def loss(q, k, v, alpha):
+        return jnp.sum(f(q, k, v, alpha).astype(jnp.float32))
 
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
 def traffic_bytes(case: Case, mode: str) -> int:
@@ -135,14 +136,15 @@ def traffic_bytes(case: Case, mode: str) -> int:
 def run(case: Case, paths: list[str], repeats: int) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement}."""
     q, k, v = inputs(case)
+    alpha = jnp.float32(case.alpha)
     results = {}
     for name in paths:
         try:
             f = PATHS[name](case)
         except Unavailable:
             continue
-        results[(name, "fwd")] = measure(f, q, k, v, repeats=repeats)
-        results[(name, "fwd+bwd")] = measure(forward_backward(f), q, k, v, repeats=repeats)
+        results[(name, "fwd")] = measure(f, q, k, v, alpha, repeats=repeats)
+        results[(name, "fwd+bwd")] = measure(forward_backward(f), q, k, v, alpha, repeats=repeats)
     return results
 
 

@@ -225,6 +225,13 @@ def _write_stream(name: str, spec: str, docs: Iterator[str], *, out_dir: Path, d
                 break
             held = [holdout is not None and is_held_out(d, holdout) for d in batch]
             encoded = tok.encode_batch(batch)
+            if max_tokens is not None:  # keep documents up to and including the one that reaches the budget
+                room, kept = max_tokens - files[split].tokens, 0
+                for i, (ids, h) in enumerate(zip(encoded, held)):
+                    if kept >= room:
+                        encoded, held = encoded[:i], held[:i]
+                        break
+                    kept += 0 if h else len(ids) + 1  # + EOS
             files[split].add(ids for ids, h in zip(encoded, held) if not h)
             if holdout is not None:
                 files["val"].add(ids for ids, h in zip(encoded, held) if h)

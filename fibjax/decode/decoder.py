@@ -29,10 +29,6 @@ from fibjax.decode.sampling import GREEDY, Sampler
 Array = jax.Array
 
 
-def _logits(model, x_BTD: Array) -> Array:
-    return model.embed.attend(model.final_norm(x_BTD)).astype(jnp.float32)
-
-
 class Decoder:
     """Cached generation for one model (its parameters as they are now) up to ``max_len`` tokens."""
 
@@ -58,7 +54,7 @@ class Decoder:
             x_BPD = x_BPD + block.attn.o_proj(attend_prompt(plan, block.attn, q, k, v).reshape(b, p, -1))
             x_BPD = x_BPD + block.mlp(block.mlp_norm(x_BPD))
             cache.append(cache_lib.from_prompt(plan, k, v))
-        logits_BV = _logits(model, x_BPD[:, -1:])[:, 0]
+        logits_BV = model.logits(x_BPD[:, -1:])[:, 0]
         return tuple(cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, p))
 
     def _step_fn(self, state, cache: cache_lib.Cache, tokens_B: Array, pos: Array, key: Array, sampler: Sampler):
@@ -73,7 +69,7 @@ class Decoder:
             new_cache.append(cache_lib.write_token(kv, k, v, pos, after=out_B1HE))
             x_B1D = x_B1D + block.attn.o_proj(out_B1HE.reshape(b, 1, -1))
             x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
-        logits_BV = _logits(model, x_B1D)[:, 0]
+        logits_BV = model.logits(x_B1D)[:, 0]
         return tuple(new_cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, pos + 1))
 
     # --- the public calls -----------------------------------------------------------------

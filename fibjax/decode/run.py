@@ -40,7 +40,7 @@ def tokenizer_path(cfg: TrainConfig, workdir: Path) -> Path:
 
 def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
     """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer."""
-    from fibjax.eval.runner import load_run
+    from fibjax.eval.runner import load_run, run_tokenizer
     from fibjax.model import Transformer
     from fibjax.train.checkpoint import load_run_config
 
@@ -52,11 +52,8 @@ def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
     if not path.is_file():
         raise SampleError(f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "
                           "checkpoints were trained with; restore it, or the data directory named by data.path)")
-    run = load_run(workdir, step)
-    tokenizer = Tokenizer.load(path)
-    if tokenizer.sha256 != run.tokenizer_sha256:
-        raise SampleError(f"{path} is not the tokenizer this run's data was made with (sha256 {tokenizer.sha256[:12]}... "
-                          f"vs {run.tokenizer_sha256[:12]}... in meta.json)")
+    run = load_run(workdir, step)  # checks the tokenizer against the one the run trained with
+    tokenizer = run_tokenizer(run)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
     return SamplingRun(cfg, run.step, nnx.merge(graphdef, run.params), tokenizer)
 

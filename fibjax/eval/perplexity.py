@@ -7,6 +7,7 @@ carried context), so the number of scored tokens is N at every length.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -37,6 +38,7 @@ class LengthResult:
         return asdict(self)
 
 
+@functools.lru_cache(maxsize=16)  # one compile per architecture, whatever the number of datasets
 def token_nll_fn(model_cfg: ModelConfig):
     """Jitted (params, tokens [B, L+1]) -> NLL [B, L] float32 for this architecture."""
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
@@ -90,6 +92,7 @@ def _padded_call(fn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
     return np.asarray(fn(params, jnp.asarray(tokens)))[:real]
 
 
+@functools.lru_cache(maxsize=16)
 def dropped_mass_fn(model_cfg: ModelConfig):
     """Jitted (params, tokens [B, L+1]) -> dropped attention mass per layer [num_layers]:
     the mean over queries and heads of 1 - exp(lse_pattern - lse_dense) (paper B)."""

@@ -207,7 +207,8 @@ def smooth(values, window: int, *, min_points: int = 1) -> np.ndarray:
 
 def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rows = [m for m in run.metrics if "loss" in m and "step" in m]
-    loss = np.array([m["loss"] for m in rows])
+    # the cross-entropy: an SSA run's "loss" also holds its weighted alignment term
+    loss = np.array([m.get("ce", m["loss"]) for m in rows])
     return np.array([m["step"] for m in rows]), loss, smooth(loss, window)
 
 

@@ -17,9 +17,12 @@ import numpy as np
 
 from fibjax import data as data_lib
 from fibjax.config import AttentionConfig, MeshConfig, TrainConfig
+from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
+from fibjax.data.tokenizer import Tokenizer
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
+from fibjax.model import theta_to_alpha
 from fibjax.train import sharding, step
-from fibjax.train.checkpoint import Checkpointer, load_run_config
+from fibjax.train.checkpoint import Checkpointer, load_run_config, pinned_tokenizer
 from fibjax.train.loop import resolve_data_dir
 
 
@@ -50,8 +53,14 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
     finally:
         ckpt.close()
     data_dir = resolve_data_dir(cfg, workdir)
-    sha = data_lib.load_meta(data_dir)["tokenizer"]["sha256"]
+    # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
+    sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
     return LoadedRun(cfg, chosen, state["params"], data_dir, sha)
+
+
+def run_tokenizer(run: LoadedRun) -> Tokenizer:
+    """The tokenizer the run trained with (``load_run`` checked it against the run's record)."""
+    return Tokenizer.load(run.data_dir / TOKENIZER_FILE)
 
 
 def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
@@ -77,7 +86,7 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
     None: every validation source of the run's own data."""
     if not specs:
         meta = data_lib.load_meta(run.data_dir)
-        return {name: data_lib.validation_tokens(run.data_dir, name) for name in data_lib.validation_sources(meta)}
+        return {name: open_tokens(run.data_dir, meta, name, "val") for name in data_lib.validation_sources(meta)}
     streams = {}
     for name, spec in specs.items():
         directory, _, source = spec.partition(":")
@@ -88,7 +97,7 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
             if len(choices) != 1:
                 raise EvalError(f"--data {name}={spec}: name a source with DIR:SOURCE; {directory} has {choices}")
             source = choices[0]
-        streams[name] = data_lib.validation_tokens(directory, source)
+        streams[name] = open_tokens(directory, meta, source, "val")
     return streams
 
 
@@ -139,7 +148,7 @@ def initial_alphas(model_cfg) -> list[float] | None:
     acfg = model_cfg.attention
     if not acfg.is_learned:
         return None
-    return [float(0.5 + jax.nn.sigmoid(alpha_to_theta(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
+    return [float(theta_to_alpha(alpha_to_theta(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
 
 
 def layer_alphas(params: dict, model_cfg) -> list[float | None]:
@@ -148,7 +157,7 @@ def layer_alphas(params: dict, model_cfg) -> list[float | None]:
         return [None] * model_cfg.num_layers
     if not acfg.is_learned:
         return list(acfg.layer_alphas(model_cfg.num_layers))
-    return [float(0.5 + jax.nn.sigmoid(params["blocks"][i]["attn"]["theta"])) for i in range(model_cfg.num_layers)]
+    return [float(theta_to_alpha(params["blocks"][i]["attn"]["theta"])) for i in range(model_cfg.num_layers)]
 
 
 def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, lengths: list[int] | None = None,

@@ -9,6 +9,7 @@ compared on every resume.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ import grain
 import orbax.checkpoint as ocp
 
 from fibjax.config import CheckpointConfig, TrainConfig, from_dict, to_dict
+from fibjax.data.token_files import write_json_atomically
 
 CONFIG_FILE = "config.json"
+TOKENIZER_PIN = "tokenizer.sha256"
 # Fields a resumed run may change: how long and how often, not what is trained.
 RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count")
 
@@ -59,13 +62,36 @@ def claim_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
                 f"workdir {workdir} holds a run with a different config; nothing was changed. Differences:\n  "
                 + "\n  ".join(diff) + "\nUse a new --workdir, or the same config to resume."
             )
-        path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")  # steps etc. may have changed
+        write_json_atomically(path, to_dict(cfg))  # steps etc. may have changed
         return saved
     Path(workdir).mkdir(parents=True, exist_ok=True)
     if any(Path(workdir).iterdir()):
         raise CheckpointError(f"workdir {workdir} is not empty and holds no fibjax run ({CONFIG_FILE} missing); use another --workdir")
-    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    write_json_atomically(path, to_dict(cfg))
     return None
+
+
+def pin_tokenizer(workdir: Path, sha256: str) -> None:
+    """Record the tokenizer a run trains with, or check that the data still uses it.
+
+    A data directory prepared again (other inputs, another vocabulary) keeps its path but not
+    its token ids; training on or evaluating with it would give wrong numbers silently."""
+    path = Path(workdir) / TOKENIZER_PIN
+    if not path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(sha256 + "\n")
+        os.replace(tmp, path)
+        return
+    pinned = path.read_text().strip()
+    if pinned != sha256:
+        raise CheckpointError(f"the run in {workdir} was trained with tokenizer sha256 {pinned[:12]}..., but its data directory now holds "
+                              f"{sha256[:12]}... (prepared again?); the token ids would not match. Point data.path at the original data.")
+
+
+def pinned_tokenizer(workdir: Path) -> str | None:
+    """The tokenizer sha256 a run trained with (None for a run that never started training)."""
+    path = Path(workdir) / TOKENIZER_PIN
+    return path.read_text().strip() if path.exists() else None
 
 
 def load_run_config(workdir: Path) -> TrainConfig:
@@ -106,11 +132,12 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:  # Orbax raises many types for damaged files
+        except Exception as e:  # Orbax raises many types, for damaged files and for mismatched trees alike
             raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). "
-                f"Other steps: {[s for s in self.all_steps() if s != step]}. Nothing was deleted; move the damaged "
-                f"step directory aside to resume from an earlier one."
+                f"checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). Either its files are "
+                f"damaged, or it holds another model than {self.directory.parent / CONFIG_FILE} describes (shapes or "
+                f"parameter names differ: compare the error above). Other steps: {[s for s in self.all_steps() if s != step]}. "
+                f"Nothing was deleted."
             ) from e
         return restored["state"]
 

@@ -25,7 +25,7 @@ from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.train import sharding
-from fibjax.train.checkpoint import Checkpointer, claim_workdir
+from fibjax.train.checkpoint import Checkpointer, claim_workdir, pin_tokenizer
 from fibjax.train.metrics import MetricsWriter
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
@@ -59,8 +59,11 @@ def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
     return Path(workdir) / "data"
 
 
-def check_vocab(cfg: TrainConfig, data_dir: Path) -> None:
-    vocab = data_lib.load_meta(data_dir)["tokenizer"]["vocab_size"]
+def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> None:
+    """The data's tokenizer fits the model and is the one the run started with."""
+    tokenizer = data_lib.load_meta(data_dir)["tokenizer"]
+    distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer["sha256"]), "checking the run's tokenizer")
+    vocab = tokenizer["vocab_size"]
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
 
@@ -104,7 +107,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
     workdir = Path(workdir)
     distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")  # one writer of config.json
     data_dir = resolve_data_dir(cfg, workdir)
-    check_vocab(cfg, data_dir)
+    check_data(cfg, data_dir, workdir)
     if cfg.global_batch % jax.process_count():
         raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by the {jax.process_count()} processes")
 
@@ -167,7 +170,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
                 rates.append(now - last_time)
                 last_time = now
                 bar.update(1)
-                stop = preemption.agreed()
+                # multi-process: agree at a fixed cadence, the same steps on every process, so the
+                # all-gather does not stall the host behind every step it just dispatched
+                stop = preemption.agreed() if jax.process_count() == 1 or (step + 1) % cfg.log_every == 0 else False
                 if stop or (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.steps:
                     flush(pending)
                     pending = None

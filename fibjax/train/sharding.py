@@ -13,18 +13,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from fibjax.attention.sharded import BATCH_AXES, HEAD_AXIS
 from fibjax.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = (*BATCH_AXES, HEAD_AXIS)  # ("data", "fsdp", "tensor"), shared with attention.sharded
 
 # logical axis -> mesh axis (None = replicated)
 RULES: dict[str, str | None] = {
-    "vocab": "tensor",
+    "vocab": HEAD_AXIS,
     "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "mlp": "tensor",
+    "heads": HEAD_AXIS,
+    "kv_heads": HEAD_AXIS,
+    "mlp": HEAD_AXIS,
 }
 
 

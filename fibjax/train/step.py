@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fibjax.config import TrainConfig
-from fibjax.model import SSAStreams, Transformer
+from fibjax.model import SSAStreams, Transformer, theta_to_alpha
 from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
@@ -95,4 +95,4 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
 
 def learned_alphas(params) -> dict[str, jax.Array]:
     """{"layer_3": alpha} for every learned layer (alpha = 0.5 + sigmoid(theta))."""
-    return {f"layer_{i}": 0.5 + jax.nn.sigmoid(block["attn"]["theta"]) for i, block in params["blocks"].items() if "theta" in block["attn"]}
+    return {f"layer_{i}": theta_to_alpha(block["attn"]["theta"]) for i, block in params["blocks"].items() if "theta" in block["attn"]}
