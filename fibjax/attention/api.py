@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from fibjax.attention import offsets
 from fibjax.attention.common import check_qkv
@@ -58,8 +59,9 @@ def interpolated_attention(
     reaches by construction (0.5 + sigmoid(theta)); a concrete value outside raises.
     """
     check_qkv(q, k, v)
-    if window < 0:
-        raise ValueError(f"window must be >= 0, got {window}")
+    if not _is_int(window) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    window = int(window)
     offsets.base_rungs(base, q.shape[1])  # validates base
     base = base if isinstance(base, str) else tuple(base)
     if not isinstance(alpha, jax.core.Tracer):
@@ -72,8 +74,12 @@ def interpolated_attention(
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
 def _check_distances(distances: Sequence[int]) -> tuple[int, ...]:
     ds = tuple(distances)
-    if not ds or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in ds):
-        raise ValueError(f"distances must be a non-empty sequence of Python ints >= 0, got {distances!r}")
-    return tuple(sorted(set(ds)))
+    if not ds or not all(_is_int(d) and d >= 0 for d in ds):
+        raise ValueError(f"distances must be a non-empty sequence of ints >= 0, got {distances!r}")
+    return tuple(sorted({int(d) for d in ds}))
