@@ -11,6 +11,7 @@ E head dim, F MLP hidden, V vocab.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -211,6 +212,13 @@ class Transformer(nnx.Module):
     def alphas(self) -> list[float | Array | None]:
         """Per-layer alpha (None for layers without one)."""
         return [block.attn.alpha() for block in self.blocks]
+
+
+@functools.lru_cache(maxsize=32)
+def graphdef_of(cfg: ModelConfig) -> nnx.GraphDef:
+    """The structure of a Transformer for ``cfg`` (no parameters allocated); with a params dict,
+    ``nnx.merge(graphdef_of(cfg), params)`` is the model."""
+    return nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
 def count_params(model: nnx.Module) -> int:

@@ -41,7 +41,7 @@ def tokenizer_path(cfg: TrainConfig, workdir: Path) -> Path:
 def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
     """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer."""
     from fibjax.eval.runner import load_run, run_tokenizer
-    from fibjax.model import Transformer
+    from fibjax.model import graphdef_of
     from fibjax.train.checkpoint import load_run_config
 
     workdir = Path(workdir)
@@ -54,7 +54,7 @@ def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
                           "checkpoints were trained with; restore it, or the data directory named by data.path)")
     run = load_run(workdir, step)  # checks the tokenizer against the one the run trained with
     tokenizer = run_tokenizer(run)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    graphdef = graphdef_of(cfg.model)
     return SamplingRun(cfg, run.step, nnx.merge(graphdef, run.params), tokenizer)
 
 

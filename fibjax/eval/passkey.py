@@ -97,9 +97,9 @@ def model_predict_fn(model_cfg) -> PredictFn:
     """Argmax next token at every position for a fibjax model config (any attention kind)."""
     from flax import nnx
 
-    from fibjax.model import Transformer
+    from fibjax.model import graphdef_of
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    graphdef = graphdef_of(model_cfg)
 
     @jax.jit
     def predict(params, tokens_NL):

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from fibjax.config import ModelConfig
-from fibjax.model import Transformer
+from fibjax.model import graphdef_of
 
 NUM_BINS = 8
 
@@ -41,7 +41,7 @@ class LengthResult:
 @functools.lru_cache(maxsize=16)  # one compile per architecture, whatever the number of datasets
 def token_nll_fn(model_cfg: ModelConfig):
     """Jitted (params, tokens [B, L+1]) -> NLL [B, L] float32 for this architecture."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    graphdef = graphdef_of(model_cfg)
 
     @jax.jit
     def nll(params, tokens_BL1):
@@ -96,7 +96,7 @@ def _padded_call(fn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
 def dropped_mass_fn(model_cfg: ModelConfig):
     """Jitted (params, tokens [B, L+1]) -> dropped attention mass per layer [num_layers]:
     the mean over queries and heads of 1 - exp(lse_pattern - lse_dense) (paper B)."""
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    graphdef = graphdef_of(model_cfg)
 
     @jax.jit
     def mass(params, tokens_BL1):
