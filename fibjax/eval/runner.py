@@ -16,12 +16,11 @@ import jax
 import numpy as np
 
 from fibjax import data as data_lib
-from fibjax.config import AttentionConfig, MeshConfig, TrainConfig
+from fibjax.config import AttentionConfig, TrainConfig
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.model import theta_to_alpha
-from fibjax.train import sharding, step
 from fibjax.train.checkpoint import Checkpointer, load_run_config, pinned_tokenizer
 from fibjax.train.loop import resolve_data_dir
 
@@ -47,15 +46,24 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
         chosen = steps[-1] if step_number is None else step_number
         if chosen not in steps:
             raise EvalError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
-        mesh = sharding.make_mesh(MeshConfig(data=1), jax.devices()[:1])
-        abstract = step.build(dataclasses.replace(cfg, mesh=MeshConfig(data=1)), mesh).abstract_state
-        state = ckpt.restore(chosen, abstract)
+        params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.devices()[0]))
     finally:
         ckpt.close()
     data_dir = resolve_data_dir(cfg, workdir)
     # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
     sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
-    return LoadedRun(cfg, chosen, state["params"], data_dir, sha)
+    return LoadedRun(cfg, chosen, params, data_dir, sha)
+
+
+def abstract_params(model_cfg, device) -> dict:
+    """ShapeDtypeStructs of the model's parameters, placed on ``device`` (nothing allocated)."""
+    from flax import nnx
+
+    from fibjax.model import Transformer
+
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param))
+    place = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), shapes)
 
 
 def run_tokenizer(run: LoadedRun) -> Tokenizer:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from fibjax.config import CheckpointConfig, TrainConfig, from_dict, to_dict
@@ -140,6 +141,24 @@ class Checkpointer:
                 f"Nothing was deleted."
             ) from e
         return restored["state"]
+
+    def restore_params(self, step: int, abstract_params):
+        """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
+        a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
+        if step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {self.all_steps()}")
+        target = {"params": abstract_params}
+        restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True))
+            )
+        except Exception as e:  # as in restore(): damaged files or another model
+            raise CheckpointError(
+                f"the parameters of checkpoint step {step} in {self.directory} could not be read ({type(e).__name__}: {e}). Either its "
+                f"files are damaged, or it holds another model than {self.directory.parent / CONFIG_FILE} describes. Nothing was deleted."
+            ) from e
+        return restored["state"]["params"]
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
