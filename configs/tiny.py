@@ -15,7 +15,7 @@ def get_config() -> TrainConfig:
         log_every=10,
         model=ModelConfig(
             vocab_size=2048, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
-            attention=AttentionConfig(kind="offset", base="fibonacci", window=8, alpha="staggered"),
+            attention=AttentionConfig(kind="offset", base="fibonacci", window=8, alpha="staggered", max_rung=255),
         ),
         optim=OptimConfig(lr=3e-3, warmup_steps=30),
         checkpoint=CheckpointConfig(every_steps=200, keep=2),

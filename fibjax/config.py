@@ -34,6 +34,9 @@ class AttentionConfig:
     kind: str = "dense"
     window: int = 12
     base: str | tuple[int, ...] = "fibonacci"
+    # keep only rungs <= max_rung (0: the whole list); stored with the run, so evaluation at a
+    # longer length keeps the trained rungs. Not for pow2 (reach-matched by definition).
+    max_rung: int = 0
     # fixed | staggered | coprime | learned, or one alpha per layer
     alpha: str | tuple[float, ...] = "fixed"
     # learn alpha starting from the schedule above ("learned" alone starts every layer at 1.0)
@@ -50,6 +53,10 @@ class AttentionConfig:
             _require(self.base in ("fibonacci", "pow2"), "base", "must be fibonacci, pow2 or a tuple of ints", self.base)
         else:
             _require(len(self.base) > 0 and all(isinstance(f, int) and f >= 1 for f in self.base), "base", "an explicit base must be positive ints", self.base)
+        _require(self.max_rung >= 0, "max_rung", "must be >= 0 (0 = no bound)", self.max_rung)
+        _require(not (self.max_rung and self.base == "pow2"), "max_rung", "does not apply to base pow2 (reach-matched at the evaluated length)", self.max_rung)
+        if self.max_rung and not isinstance(self.base, str):
+            _require(min(self.base) <= self.max_rung, "max_rung", f"leaves no rung of base {self.base}", self.max_rung)
         if isinstance(self.alpha, str):
             _require(self.alpha in offsets.SCHEDULES, "alpha", f"must be one of {offsets.SCHEDULES} or a tuple of floats", self.alpha)
         else:
@@ -58,6 +65,11 @@ class AttentionConfig:
         _require(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
         _require(self.num_blocks >= 1, "num_blocks", "must be >= 1", self.num_blocks)
         _require(self.implementation in (None, "xla", "pallas"), "implementation", "must be None, xla or pallas", self.implementation)
+
+    @property
+    def bounded_base(self) -> str | tuple[int, ...]:
+        """The base the attention functions receive: ``base`` bounded by ``max_rung``."""
+        return offsets.bounded_base(self.base, self.max_rung)
 
     @property
     def is_learned(self) -> bool:

@@ -125,9 +125,9 @@ class Attention(nnx.Module):
         if acfg.kind == "block_sparse":
             return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, return_lse=return_lse)
         if acfg.is_learned:
-            return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.base, alpha=self.alpha(acfg),
+            return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg),
                                                    return_lse=return_lse, implementation=impl)
-        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=self.alpha(acfg), seq_len=t)
+        ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), seq_len=t)
         return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds, return_lse=return_lse, implementation=impl)
 
     def __call__(self, x_BTD: Array, positions_BT: Array, *, ssa: SSAStreams | None = None, probe_dropped_mass: bool = False) -> Array:

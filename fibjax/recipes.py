@@ -18,17 +18,19 @@ VARIANTS = ("fib_fixed", "fib_learned", "fib_stagger", "fib_coprime", "pow2_stag
 # 4 windows x 5 variants + pow2 fixed at W=8 = the paper's 21 sparse models, plus dense
 MATRIX = tuple(f"{v}_w{w}" for w in WINDOWS for v in VARIANTS) + ("pow2_fixed_w8", "dense")
 PAPER_MIXTURE = "fineweb_edu=0.35,wikipedia=0.22,tinystories=0.20,math=0.23"
+CPU_SEQ_LEN = 256
 _SCHEDULES = {"fixed": "fixed", "learned": "learned", "stagger": "staggered", "coprime": "coprime"}
 
 
-def attention(name: str) -> AttentionConfig:
+def attention(name: str, max_rung: int = 0) -> AttentionConfig:
+    """The attention of a matrix name; ``max_rung`` bounds the Fibonacci rungs (not pow2's)."""
     if name == "dense":
         return AttentionConfig(kind="dense")
     m = re.fullmatch(r"(fib|pow2)_(fixed|learned|stagger|coprime)_w(\d+)", name)
     if not m:
         raise ConfigError(f"unknown model name {name!r}: expected 'dense' or {{fib|pow2}}_{{fixed|learned|stagger|coprime}}_w<W>")
     base = "fibonacci" if m[1] == "fib" else "pow2"
-    return AttentionConfig(kind="offset", base=base, window=int(m[3]), alpha=_SCHEDULES[m[2]])
+    return AttentionConfig(kind="offset", base=base, window=int(m[3]), alpha=_SCHEDULES[m[2]], max_rung=max_rung if base == "fibonacci" else 0)
 
 
 def paper(name: str) -> TrainConfig:
@@ -44,10 +46,13 @@ def paper(name: str) -> TrainConfig:
 
 
 def cpu(name: str) -> TrainConfig:
-    """The same model names at CPU size; data: data/cpu from ../shared/data (README, "Real data")."""
+    """The same model names at CPU size; data: data/cpu from ../shared/data (README, "Real data").
+
+    Fibonacci rungs are bounded by the training length (<= 255: up to 233), so that, as in the
+    paper (987 < 1024), every rung at alpha <= 1 was attended in training."""
     return TrainConfig(
-        name=f"cpu_{name}", seed=42, steps=1000, seq_len=256, global_batch=16, log_every=10,
-        model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention(name)),
+        name=f"cpu_{name}", seed=42, steps=1000, seq_len=CPU_SEQ_LEN, global_batch=16, log_every=10,
+        model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention(name, max_rung=CPU_SEQ_LEN - 1)),
         data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
         checkpoint=CheckpointConfig(every_steps=250, keep=2),
@@ -72,10 +77,10 @@ def _ssa_method(name: str, attention: AttentionConfig) -> tuple[AttentionConfig,
 
 def ssa_cpu(name: str) -> TrainConfig:
     """Paper B's methods at CPU size (block 16 x 4 blocks = receptive field 64 at seq 256)."""
-    attention = AttentionConfig(kind="dense", block_size=16, num_blocks=4, window=8, alpha="staggered")
+    attention = AttentionConfig(kind="dense", block_size=16, num_blocks=4, window=8, alpha="staggered", max_rung=CPU_SEQ_LEN - 1)
     attention, ssa = _ssa_method(name, attention)
     return TrainConfig(
-        name=f"ssa_cpu_{name}", seed=42, steps=1000, seq_len=256, global_batch=16, log_every=10,
+        name=f"ssa_cpu_{name}", seed=42, steps=1000, seq_len=CPU_SEQ_LEN, global_batch=16, log_every=10,
         model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention),
         data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
         optim=OptimConfig(lr=1e-3, warmup_steps=100), checkpoint=CheckpointConfig(every_steps=250, keep=2), ssa=ssa,

@@ -16,6 +16,9 @@ from fibjax.config import AttentionConfig, ConfigError, ModelConfig, apply_overr
         (dict(alpha=(0.4, 1.0)), "alpha"),
         (dict(alpha=(1.0, 1.6)), "alpha"),
         (dict(implementation="cuda"), "implementation"),
+        (dict(max_rung=-1), "max_rung"),
+        (dict(base="pow2", max_rung=255), "max_rung"),
+        (dict(base=(8, 13), max_rung=5), "max_rung"),
     ],
 )
 def test_attention_config_errors_name_the_field(kwargs, field):

@@ -63,11 +63,32 @@ def test_dense_weights_under_a_window_covering_everything_give_the_same_perplexi
     assert wide["attention_override"] and wide["attention"]["kind"] == "offset"
 
 
+def test_new_distances_count_what_training_never_attended():
+    from fibjax.config import AttentionConfig
+
+    fib = AttentionConfig(kind="offset", window=8, max_rung=255)
+    # bounded Fibonacci at alpha <= 1 meets no new distance at 2x or 4x
+    assert runner.new_distances(fib, [0.5, 1.0], 256, 1024) == [0, 0]
+    # unbounded, alpha 1 adds rungs 377, 610, 987 at 4x; alpha 1.5 (staggered top layer) adds round(1.5*233)=350 at 2x
+    assert runner.new_distances(AttentionConfig(kind="offset", window=8), [1.0], 256, 1024) == [3]
+    assert runner.new_distances(fib, [1.5], 256, 512) == [1]
+    # pow2 is reach-matched at the evaluated length: 256 and 512 are new at 4x
+    assert runner.new_distances(AttentionConfig(kind="offset", window=8, base="pow2"), [1.0], 256, 1024) == [2]
+    # dense reaches every distance: 256..1023 are new
+    assert runner.new_distances(AttentionConfig(kind="dense"), [None], 256, 1024) == [768]
+    # learned: {lo, lo+1} of each active rung; alpha 1.1 on rung 233 -> 256.3: lo=256 is new at 2x, so is 257
+    learned = AttentionConfig(kind="offset", window=8, alpha="learned", max_rung=255)
+    assert runner.new_distances(learned, [1.1], 256, 512) == [2]
+    assert runner.new_distances(learned, [1.0], 256, 1024) == [0]
+
+
 def test_report_is_written_with_alphas(runs):
     report, path = runner.evaluate_workdir(runs["fib"])
     saved = json.loads(path.read_text())
     assert path.name == f"{report['step']}.json" and saved["lengths"] == [32, 64, 128]
     assert saved["alphas"] == [0.5, 1.5]
+    assert set(saved["new_distances"]) == {"32", "64", "128"} and saved["new_distances"]["32"] == [0, 0]
+    assert "never attended in training" in runner.format_table(saved)
     assert "python_docs" in runner.format_table(saved)
 
 

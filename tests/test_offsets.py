@@ -10,6 +10,7 @@ from fibjax.attention import (
     alpha_to_theta,
     attended_distances,
     base_rungs,
+    bounded_base,
     coprime_stride,
     learned_rung_bases,
     learned_rung_spec,
@@ -116,3 +117,18 @@ def test_alpha_to_theta():
     assert math.isclose(0.5 + sig(alpha_to_theta(0.8)), 0.8)
     assert math.isclose(0.5 + sig(alpha_to_theta(0.5)), 0.55)
     assert math.isclose(0.5 + sig(alpha_to_theta(1.5)), 1.45)
+
+
+def test_bounded_base_keeps_the_papers_ratio_at_a_shorter_length():
+    # the paper trains at 1024 with the top rung 987 < 1024; at 256 the same rule keeps rungs <= 255
+    assert bounded_base("fibonacci", 255) == (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233)
+    assert bounded_base("fibonacci", 1023) == FIBONACCI_RUNGS
+    assert bounded_base("fibonacci", 0) == "fibonacci" and bounded_base("pow2", 0) == "pow2"
+    assert bounded_base((3, 7, 40), 10) == (3, 7)
+    # a bounded list does not grow with the evaluated length; pow2 does (the control)
+    at_4x = attended_distances(window=8, base=bounded_base("fibonacci", 255), alpha=1.0, seq_len=1024)
+    assert at_4x == attended_distances(window=8, base=bounded_base("fibonacci", 255), alpha=1.0, seq_len=256)
+    with pytest.raises(ValueError, match="pow2"):
+        bounded_base("pow2", 255)
+    with pytest.raises(ValueError, match="no rung"):
+        bounded_base((8, 13), 5)

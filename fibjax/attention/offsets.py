@@ -45,6 +45,27 @@ def base_rungs(base: Base, seq_len: int) -> tuple[int, ...]:
     return rungs
 
 
+def bounded_base(base: Base, max_rung: int) -> Base:
+    """``base`` keeping only rungs <= ``max_rung`` (0: no bound), as an explicit tuple.
+
+    A bound scales the paper's geometry to a shorter training length: at T=1024 its largest
+    Fibonacci rung (987) lies below T; a model trained at T=256 keeps that ratio with the rungs
+    <= 255 (up to 233). The bound is part of the model, so evaluation at longer lengths keeps
+    the trained list. pow2 is never bounded: it is reach-matched at the evaluated length by
+    definition, which is what makes it the control.
+    """
+    if max_rung < 0:
+        raise ValueError(f"max_rung must be >= 0 (0 = no bound), got {max_rung}")
+    if max_rung == 0:
+        return base
+    if isinstance(base, str) and base == "pow2":
+        raise ValueError("max_rung does not apply to the pow2 base (reach-matched at the evaluated length by definition)")
+    rungs = tuple(f for f in base_rungs(base, max_rung + 1) if f <= max_rung)
+    if not rungs:
+        raise ValueError(f"max_rung={max_rung} leaves no rung of {base!r}")
+    return rungs
+
+
 def coprime_stride(num_layers: int) -> int:
     """Largest s in [2, L // 2] with gcd(s, L) = 1, or 1 (the linear order) when none exists."""
     return next((s for s in range(num_layers // 2, 1, -1) if math.gcd(s, num_layers) == 1), 1)

@@ -81,11 +81,11 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
             f"decoding a {acfg.kind!r} layer is not available yet: it needs a full cache (fibjax/decode/cache.py, "
             "_FULL_CACHE_KINDS) and a single-query attention (fibjax/decode/attend.py)")
     if not acfg.is_learned:
-        ds = offsets.attended_distances(window=acfg.window, base=acfg.base, alpha=attn.alpha(), seq_len=max_len)
+        ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=attn.alpha(), seq_len=max_len)
         ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
         return LayerPlan("static", max(ds) + 1, max_len, distances=ds)
     window = tuple(range(min(acfg.window, max_len - 1) + 1))
-    rungs = offsets.base_rungs(acfg.base, max_len)
+    rungs = offsets.base_rungs(acfg.bounded_base, max_len)
     slots = offsets.learned_rung_bases(window=acfg.window, base=rungs, seq_len=max_len)
     reach = window[-1]
     if slots:

@@ -8,6 +8,7 @@ Input: one or more run directories, each with ``RUN/eval/<step>.json`` (written 
 - ``extrap.csv``   perplexity at every evaluated length, change at the longest vs the first
 - ``posloss.csv``  NLL in position bins at the training length, and the gap to a reference run
 - ``alpha.csv``    alpha per layer (learned runs: the learned value and its initial value)
+- ``new_distances.csv`` per layer and length, distances never attended at the training length
 - ``*.png``        the plots of ``fibjax.eval.plots``; ``report.md`` holds all of it.
 """
 
@@ -300,6 +301,23 @@ def alpha_table(runs: list[RunEval]) -> Table:
     return Table("alpha", "Alpha per layer", header, rows, ["run", "layer", "alpha", "init", "learned"], csv_rows, notes)
 
 
+def new_distance_table(runs: list[RunEval]) -> Table:
+    """Per layer and evaluated length: distances attended there that training never attended."""
+    nlayers = max((len(v) for r in runs for v in r.report.get("new_distances", {}).values()), default=0)
+    header = ["run", "length", *(f"L{i}" for i in range(nlayers)), "total"]
+    rows, csv_rows = [], []
+    for r in runs:
+        for length, per_layer in sorted(r.report.get("new_distances", {}).items(), key=lambda kv: int(kv[0])):
+            rows.append([r.label, length, *_pad([str(n) for n in per_layer], nlayers), str(sum(per_layer))])
+            csv_rows += [[r.label, int(length), i, n] for i, n in enumerate(per_layer)]
+    notes = ["Distances (query minus key) a layer attends at that length but never attended at the training length, with its "
+             "current alpha; dense and block-sparse layers reach every distance. 0: the layer only meets trained relative positions."]
+    missing = [r.label for r in runs if "new_distances" not in r.report]
+    if missing:
+        notes.append(f"Not recorded (evaluated before the count existed): {', '.join(missing)}.")
+    return Table("new_distances", "Distances never attended in training", header, rows, ["run", "length", "layer", "new_distances"], csv_rows, notes)
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole report
 
@@ -312,7 +330,8 @@ def build_report(paths: list[str | Path], out: str | Path, *, reference: str | N
         raise ReportError("no evaluated run to report on:\n  " + "\n  ".join(skipped))
     datasets = datasets_of(runs, dataset)
     ref = find_run(runs, reference) if reference else None
-    tables = [matrix_table(runs, datasets), extrap_table(runs, datasets), posloss_table(runs, datasets, ref), alpha_table(runs)]
+    tables = [matrix_table(runs, datasets), extrap_table(runs, datasets), posloss_table(runs, datasets, ref), alpha_table(runs),
+              new_distance_table(runs)]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [t.write_csv(out) for t in tables]

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from fibjax import data as data_lib
+from fibjax.attention import offsets
 from fibjax.config import AttentionConfig, TrainConfig
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
@@ -118,10 +119,12 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
         results[name] = [r.as_dict() for r in evaluate_lengths(model_cfg, params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens)]
         if dropped_mass:
             masses[name] = {str(n): dropped_mass_by_layer(model_cfg, params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
+    alphas = layer_alphas(params, model_cfg)
     report = {
         "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
         "num_layers": model_cfg.num_layers, "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
-        "alphas": layer_alphas(params, model_cfg), "alpha_init": initial_alphas(model_cfg), "datasets": results,
+        "alphas": alphas, "alpha_init": initial_alphas(model_cfg), "datasets": results,
+        "new_distances": {str(n): new_distances(model_cfg.attention, alphas, run.cfg.seq_len, n) for n in lengths},
     }
     if dropped_mass:
         report["dropped_mass"] = masses  # dataset -> length -> per layer, vs dense attention
@@ -146,6 +149,25 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
     if block_size is not None:
         out.append(f"block_size={block_size}")
     return out
+
+
+def reachable_distances(acfg: AttentionConfig, alpha: float | None, seq_len: int) -> set[int]:
+    """Query-key distances a layer can attend at ``seq_len``: all of them for dense and block-sparse
+    (selection is by content), the static set for offsets, and {lo, lo + 1} of each active rung plus
+    the window for learned (interpolated) layers at ``alpha``."""
+    if acfg.kind != "offset":
+        return set(range(seq_len))
+    if not acfg.is_learned:
+        return set(offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len))
+    spec = offsets.learned_rung_spec(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len)
+    far = {d for _, lo, _ in spec for d in (lo, lo + 1) if d <= seq_len - 1}
+    return set(range(min(acfg.window, seq_len - 1) + 1)) | far
+
+
+def new_distances(acfg: AttentionConfig, alphas: list[float | None], train_len: int, length: int) -> list[int]:
+    """Per layer: how many distances attended at ``length`` were never attended at ``train_len``
+    (with the layer's current alpha). 0 means the layer only meets trained relative positions."""
+    return [len(reachable_distances(acfg, a, length) - reachable_distances(acfg, a, train_len)) for a in alphas]
 
 
 def initial_alphas(model_cfg) -> list[float] | None:
@@ -207,6 +229,8 @@ def format_table(report: dict) -> str:
     alphas = [a for a in report["alphas"] if a is not None]
     if alphas:
         lines.append("alpha per layer: " + " ".join(f"{a:.3f}" for a in report["alphas"]))
+    for length, per_layer in report.get("new_distances", {}).items():
+        lines.append(f"distances never attended in training, @ {length}, per layer: " + " ".join(map(str, per_layer)))
     for name, by_length in report.get("dropped_mass", {}).items():
         for length, per_layer in by_length.items():
             lines.append(f"dropped mass vs dense, {name} @ {length}: " + " ".join(f"{m:.3f}" for m in per_layer) + f" (mean {np.mean(per_layer):.3f})")
