@@ -220,8 +220,14 @@ class EvalConfig:
     # validation tokens scored per dataset at every length (cut to a multiple of the longest length)
     max_tokens: int = 65536
     batch_size: int = 4
+    # validation curves during training: every N steps, the mean NLL at the training length on
+    # the first ``curve_tokens`` tokens of each validation source, logged as val/<source> (0: off)
+    every_steps: int = 0
+    curve_tokens: int = 32768
 
     def __post_init__(self):
+        _require(self.every_steps >= 0, "every_steps", "must be >= 0 (0 = no validation curve)", self.every_steps)
+        _require(self.curve_tokens >= 1, "curve_tokens", "must be >= 1", self.curve_tokens)
         mults = self.length_multipliers
         _require(len(mults) > 0 and all(m >= 1 for m in mults), "length_multipliers", "must be ints >= 1", mults)
         _require(self.max_tokens >= 1 and self.batch_size >= 1, "max_tokens/batch_size", "must be >= 1", (self.max_tokens, self.batch_size))

@@ -6,6 +6,9 @@ and leaves checkpoints and metrics in runs/tiny. Running the same command again 
 Several processes (one per host or GPU) run the same command; ``--coordinator host:port
 --num-processes N --process-id I`` say how they find each other where no scheduler does (SLURM
 and TPU pods are detected; see fibjax/distributed.py and the recipes in launch/).
+
+Exit codes: 0 finished, 2 an error (one ``error:`` line), 3 stopped by SIGTERM/SIGINT before
+the last step with a checkpoint saved (run the same command to resume).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import os
 import sys
 from pathlib import Path
 
+# stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
+# array or scheduler requeues it (0 would read as finished)
+EXIT_STOPPED = 3
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
 
 
@@ -50,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
+    if result.preempted:
+        return EXIT_STOPPED
     # The evaluation is a single-process program (one device, its own checkpoint restore, one
     # report file); inside a multi-process job it would wait for the others in Orbax's barriers.
     if cfg.eval.at_end and not result.preempted and jax.process_count() > 1:

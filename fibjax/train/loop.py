@@ -24,6 +24,7 @@ from tqdm import tqdm
 from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
+from fibjax.data.token_files import open_tokens
 from fibjax.train import sharding
 from fibjax.train.checkpoint import Checkpointer, claim_workdir, pin_tokenizer
 from fibjax.train.metrics import MetricsWriter
@@ -96,6 +97,25 @@ class _Preemption:
         return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
+def validation_batches(cfg: TrainConfig, data_dir: Path) -> dict[str, np.ndarray]:
+    """Per validation source, this process's rows of fixed batches [N, rows, T+1] for the
+    validation curve: the source's first ``eval.curve_tokens`` tokens cut into windows of
+    seq_len + 1 (a whole number of global batches; a source too short for one is left out)."""
+    if not cfg.eval.every_steps:
+        return {}
+    meta = data_lib.load_meta(data_dir)
+    t, rows = cfg.seq_len + 1, cfg.global_batch
+    per_process = rows // jax.process_count()
+    out = {}
+    for name in data_lib.validation_sources(meta):
+        stream = open_tokens(data_dir, meta, name, "val")
+        n = min(cfg.eval.curve_tokens // cfg.seq_len, len(stream) // t) // rows
+        if n:
+            batches = np.asarray(stream[: n * rows * t], dtype=np.int32).reshape(n, rows, t)
+            out[name] = batches[:, jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
+    return out
+
+
 def _batch_log():
     if not os.environ.get(_BATCH_LOG_ENV):
         return None
@@ -134,6 +154,12 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
         tqdm.write(f"resuming {workdir} from step {start}")
     pending, last_time, rates = None, time.perf_counter(), []
     batch_log = _batch_log()
+    val_batches = validation_batches(cfg, data_dir)
+
+    def validate(step, params):
+        scalars = {f"val/{name}": float(np.mean([jax.device_get(trainer.val_loss(params, jax.make_array_from_process_local_data(trainer.batch_sharding, b)))
+                                                  for b in batches])) for name, batches in val_batches.items()}
+        writer.write(step, scalars)
 
     def flush(pending):
         step, metrics = pending
@@ -173,8 +199,13 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
                 # multi-process: agree at a fixed cadence, the same steps on every process, so the
                 # all-gather does not stall the host behind every step it just dispatched
                 stop = preemption.agreed() if jax.process_count() == 1 or (step + 1) % cfg.log_every == 0 else False
+                if val_batches and ((step + 1) % cfg.eval.every_steps == 0 or step + 1 == cfg.steps):
+                    flush(pending)  # the step's row first, then its validation row
+                    pending = None
+                    validate(step + 1, state["params"])
                 if stop or (step + 1) % cfg.checkpoint.every_steps == 0 or step + 1 == cfg.steps:
-                    flush(pending)
+                    if pending:
+                        flush(pending)
                     pending = None
                     ckpt.save(step + 1, state, data_iter, wait=stop or step + 1 == cfg.steps or fault_step == step + 1)
                     result.final_step = step + 1

@@ -44,6 +44,7 @@ class Trainer:
     step: Callable[[State, jax.Array], tuple[State, dict]]
     abstract_state: State  # ShapeDtypeStructs carrying their shardings (for restore)
     batch_sharding: jax.sharding.NamedSharding
+    val_loss: Callable[[dict, jax.Array], jax.Array]  # (params, tokens [B, T+1]) -> mean NLL, full attention path of the model
 
 
 def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
@@ -88,9 +89,13 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "alphas": learned_alphas(params), **aux}
         return {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
+    def val_loss_fn(params, tokens_BT1):
+        return cross_entropy(nnx.merge(graphdef, params)(tokens_BT1[:, :-1]), tokens_BT1[:, 1:])
+
     batch_sharding = sharding.batch_sharding(mesh)
     step_jit = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
-    return Trainer(cfg, mesh, graphdef, tx, init_jit, step_jit, abstract_state, batch_sharding)
+    val_jit = jax.jit(val_loss_fn, in_shardings=(param_shardings, batch_sharding), out_shardings=sharding.replicated(mesh))
+    return Trainer(cfg, mesh, graphdef, tx, init_jit, step_jit, abstract_state, batch_sharding, val_jit)
 
 
 def learned_alphas(params) -> dict[str, jax.Array]:

@@ -1,0 +1,39 @@
+"""Paper A (and, in stage 2, paper B) at CPU scale: ``python -m launch.study configs/study/cpu.py``.
+
+Every model is the CPU recipe of ``fibjax.recipes.cpu`` (d_model 128, 8 layers, seq 256, Fibonacci
+rungs bounded by the training length) with only the attention differing, trained on data/cpu
+(README: "Training on real data") for 2,000 steps x 4,096 tokens = 8.2M tokens, with validation
+curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens per dataset.
+"""
+
+from fibjax.study import Study, StudyRun
+
+COMMON = ("steps=2000", "checkpoint.every_steps=250", "eval.every_steps=250", "eval.max_tokens=131072")
+SEED2 = ("seed=43",)
+SPARSE = (("--inference-mode", "sparse"),)
+
+
+def get_study() -> Study:
+    return Study(
+        name="cpu", workdir="runs/study/cpu", results="results/study", overrides=COMMON, reference="dense",
+        runs=(
+            # stage 1: the headline claims, with a second seed for the noise
+            StudyRun("dense", "configs/cpu/dense.py"),
+            StudyRun("fib_fixed_w8", "configs/cpu/fib_fixed_w8.py"),
+            StudyRun("fib_stagger_w8", "configs/cpu/fib_stagger_w8.py"),
+            StudyRun("pow2_fixed_w8", "configs/cpu/pow2_fixed_w8.py"),
+            StudyRun("dense_seed43", "configs/cpu/dense.py", SEED2),
+            StudyRun("fib_fixed_w8_seed43", "configs/cpu/fib_fixed_w8.py", SEED2),
+            StudyRun("fib_stagger_w8_seed43", "configs/cpu/fib_stagger_w8.py", SEED2),
+            # stage 2: the rest of paper A's matrix at W8/W12, and paper B's methods
+            StudyRun("fib_learned_w8", "configs/cpu/fib_learned_w8.py", stage=2),
+            StudyRun("fib_coprime_w8", "configs/cpu/fib_coprime_w8.py", stage=2),
+            StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", stage=2),
+            StudyRun("fib_fixed_w12", "configs/cpu/fib_fixed_w12.py", stage=2),
+            StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", stage=2),
+            StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=SPARSE),
+            StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2),
+            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=SPARSE),
+            StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", stage=2, extra_evals=SPARSE),
+        ),
+    )

@@ -1,0 +1,285 @@
+"""A study: named runs that differ only in attention (or seed), trained, evaluated and reported.
+
+A study file (``configs/study/*.py``) defines ``get_study() -> Study``. Every step is an
+ordinary fibjax command run as a child process (``launch.train``, ``launch.eval``) or the
+report machinery (``fibjax.eval.report``), so a study is resumable exactly as they are: a
+finished run is skipped, an unfinished one resumes from its last checkpoint.
+
+A run is *done* when its evaluation file ``RUN/eval/<steps>.json`` exists; *running* while
+``<name>.lock`` beside its directory names a live process; otherwise it is *to do* (from the
+step of its latest checkpoint). The children's output goes to ``<name>.log`` beside it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
+
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One model of the study: a config file plus overrides (the study's common ones first)."""
+
+    name: str
+    config: str
+    overrides: tuple[str, ...] = ()
+    stage: int = 1
+    # extra evaluations, each a tuple of launch.eval arguments (e.g. ("--inference-mode", "sparse"))
+    extra_evals: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    runs: tuple[StudyRun, ...]
+    workdir: str = "runs/study"
+    results: str = "results/study"
+    overrides: tuple[str, ...] = ()  # applied to every run (the common recipe)
+    reference: str | None = None  # the run the report's position gaps are taken against
+
+    def __post_init__(self):
+        names = [r.name for r in self.runs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"study {self.name}: run names must be unique, repeated: {dup}")
+        if self.reference is not None and self.reference not in names:
+            raise ConfigError(f"study {self.name}: reference {self.reference!r} is not one of its runs {names}")
+
+    def run_dir(self, run: StudyRun) -> Path:
+        return Path(self.workdir) / run.name
+
+    def lock(self, run: StudyRun) -> Path:
+        return Path(self.workdir) / f"{run.name}.lock"
+
+    def log(self, run: StudyRun) -> Path:
+        return Path(self.workdir) / f"{run.name}.log"
+
+    def train_config(self, run: StudyRun) -> TrainConfig:
+        return apply_overrides(load_config_file(run.config), self.train_overrides(run))
+
+    def train_overrides(self, run: StudyRun) -> list[str]:
+        return [f"name={run.name}", *self.overrides, *run.overrides]
+
+    def select(self, only: list[str] | None = None, stage: int | None = None) -> list[StudyRun]:
+        known = {r.name for r in self.runs}
+        unknown = sorted(set(only or ()) - known)
+        if unknown:
+            raise ConfigError(f"--only: unknown run(s) {unknown}; the study has {sorted(known)}")
+        return [r for r in self.runs if (not only or r.name in only) and (stage is None or r.stage == stage)]
+
+
+def load_study(path: str | Path) -> Study:
+    import importlib.util
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"study file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"fibjax_study_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_study"):
+        raise ConfigError(f"study file {str(path)!r} defines no get_study()")
+    study = module.get_study()
+    if not isinstance(study, Study):
+        raise ConfigError(f"study file {str(path)!r}: get_study() returned {type(study).__name__}, not a Study")
+    return study
+
+
+# ---------------------------------------------------------------------------------------------
+# Status
+
+
+@dataclass
+class RunStatus:
+    run: StudyRun
+    state: str  # done | running | to do
+    step: int
+    steps: int
+    tokens_per_step: int
+    tokens_per_s: float | None
+    extra_evals_done: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.step * self.tokens_per_step
+
+    def eta_s(self, fallback_tokens_per_s: float) -> float:
+        rate = self.tokens_per_s or fallback_tokens_per_s
+        return (self.steps - self.step) * self.tokens_per_step / rate
+
+
+def _lock_pid(lock: Path) -> int | None:
+    """The pid in the run's lock if that process is alive, else None."""
+    try:
+        pid = int(lock.read_text().strip())
+        os.kill(pid, 0)
+        return pid
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        return None
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line of a killed run
+                continue
+    return rows
+
+
+def run_status(study: Study, run: StudyRun) -> RunStatus:
+    cfg = study.train_config(run)
+    run_dir = study.run_dir(run)
+    rows = _metrics(run_dir)
+    step = max((r["step"] for r in rows if "loss" in r), default=0)
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    done = (run_dir / "eval" / f"{cfg.steps}.json").exists()
+    extra = sum(1 for e in run.extra_evals if _extra_eval_path(run_dir, cfg.steps, e).exists())
+    state = "done" if done and extra == len(run.extra_evals) else "running" if _lock_pid(study.lock(run)) else "to do"
+    return RunStatus(run, state, step, cfg.steps, cfg.global_batch * cfg.seq_len, rates[-1] if rates else None, extra)
+
+
+def _extra_eval_path(run_dir: Path, step: int, args: tuple[str, ...]) -> Path:
+    return run_dir / "eval" / f"{step}-study-{'_'.join(a.strip('-').replace('=', '_').replace('/', '_') for a in args)}.json"
+
+
+def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s: float = 6000.0) -> str:
+    lines = [f"study {study.name}: {study.workdir} -> {study.results}",
+             "| run | stage | state | step | tokens | tok/s | ETA |", "|---|---:|---|---:|---:|---:|---:|"]
+    left = 0.0
+    for s in statuses:
+        eta = 0.0 if s.state == "done" else s.eta_s(fallback_tokens_per_s)
+        left += eta
+        rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "—"
+        lines.append(f"| {s.run.name} | {s.run.stage} | {s.state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
+                     f"| {rate} | {_hm(eta) if s.state != 'done' else '—'} |")
+    done = sum(s.state == "done" for s in statuses)
+    lines.append(f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
+                 f"(measured tok/s, else {fallback_tokens_per_s:,.0f}; evaluation adds a few minutes a run)")
+    return "\n".join(lines)
+
+
+def _hm(seconds: float) -> str:
+    m = int(round(seconds / 60))
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m"
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+class StudyError(RuntimeError):
+    pass
+
+
+class StudyStopped(RuntimeError):
+    """A child was stopped by a signal (the study stops too; run it again to resume)."""
+
+
+def _child(cmd: list[str], log: Path) -> int:
+    """Run one fibjax command, its output appended to ``log``; SIGTERM/SIGINT are passed on so
+    the child saves a checkpoint before the study exits."""
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        forward = lambda signum, _frame: proc.send_signal(signum)  # noqa: E731
+        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return proc.wait()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+def train_command(study: Study, run: StudyRun) -> list[str]:
+    return [sys.executable, "-m", "launch.train", "--config", run.config, "--workdir", str(study.run_dir(run)), "--no-progress",
+            *study.train_overrides(run), "eval.at_end=false"]
+
+
+def run_one(study: Study, run: StudyRun, say=print) -> None:
+    """Train (or resume) and evaluate one run; nothing is redone that is already on disk."""
+    cfg = study.train_config(run)
+    run_dir = study.run_dir(run)
+    lock, log = study.lock(run), study.log(run)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    pid = _lock_pid(lock)
+    if pid is not None:
+        raise StudyError(f"{run.name} is already being run by process {pid} ({lock})")
+    lock.write_text(str(os.getpid()))
+    try:
+        if not (run_dir / "eval" / f"{cfg.steps}.json").exists():
+            started = time.time()
+            say(f"[{run.name}] training to step {cfg.steps} (log: {log})")
+            code = _child(train_command(study, run), log)
+            if code == 3:
+                raise StudyStopped(f"{run.name} was stopped before its last step; run the study again to resume it")
+            if code != 0:
+                raise StudyError(f"{run.name}: training failed (exit {code}); see {log}")
+            say(f"[{run.name}] trained in {_hm(time.time() - started)}; evaluating")
+            code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps)], log)
+            if code != 0:
+                raise StudyError(f"{run.name}: evaluation failed (exit {code}); see {log}")
+        for args in run.extra_evals:
+            path = _extra_eval_path(run_dir, cfg.steps, args)
+            if path.exists():
+                continue
+            say(f"[{run.name}] evaluating {' '.join(args)}")
+            before = set((run_dir / "eval").glob("*.json"))
+            code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps), *args], log)
+            if code != 0:
+                raise StudyError(f"{run.name}: evaluation {' '.join(args)} failed (exit {code}); see {log}")
+            new = sorted(set((run_dir / "eval").glob("*.json")) - before, key=lambda p: p.stat().st_mtime)
+            if new:  # keep the study's own name for it, so "done" is decidable
+                new[-1].rename(path)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+def write_results(study: Study, say=print) -> Path | None:
+    """The report of every finished run (tables, plots) and study.json in ``study.results``."""
+    from fibjax.eval.report import ReportError, build_report
+
+    out = Path(study.results)
+    finished = [r for r in study.runs if run_status(study, r).state == "done"]
+    if not finished:
+        say("no finished run yet: nothing to report")
+        return None
+    ref = study.reference if study.reference in {r.name for r in finished} else None
+    try:
+        report = build_report([study.run_dir(r) for r in finished], out, reference=ref)
+    except ReportError as e:
+        raise StudyError(f"the report could not be built: {e}") from e
+    summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}
+    for r in study.runs:
+        s = run_status(study, r)
+        entry = {"config": r.config, "overrides": study.train_overrides(r), "stage": r.stage, "state": s.state, "step": s.step, "steps": s.steps,
+                 "tokens": s.tokens}
+        if s.state == "done":
+            run_dir = study.run_dir(r)
+            evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))
+            entry["evals"] = {p.name: json.loads(p.read_text()) for p in evals}
+            rows = _metrics(run_dir)
+            entry["val_curve"] = [r_ for r_ in rows if any(k.startswith("val/") for k in r_)]
+            entry["train_curve"] = [{k: r_[k] for k in ("step", "loss", "ce") if k in r_} for r_ in rows if "loss" in r_ and r_["step"] % 10 == 0]
+        summary["runs"][r.name] = entry
+    path = out / "study.json"
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
+    return path
