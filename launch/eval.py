@@ -12,26 +12,45 @@ import argparse
 import sys
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not lengths or min(lengths) < MIN_LENGTH:
+        raise argparse.ArgumentTypeError(f"every length must be >= {MIN_LENGTH} (one token per position bin), got {text!r}")
+    return lengths
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--step", type=int, default=None)
-    parser.add_argument("--lengths", type=_ints, default=None, help="default: the run's eval.length_multipliers x its seq_len")
+    parser.add_argument("--step", type=_positive, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--lengths", type=_lengths, default=None, help="default: the run's eval.length_multipliers x its seq_len")
     parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
+    parser.add_argument("--max-tokens", type=_positive, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
     parser.add_argument("--inference-mode", choices=["full", "sparse"], default=None,
                         help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
-    parser.add_argument("--block-size", type=int, default=None, help="sparse budget: block size")
+    parser.add_argument("--num-blocks", type=_positive, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
+    parser.add_argument("--block-size", type=_positive, default=None, help="sparse budget: block size")
     parser.add_argument("--dropped-mass", action="store_true", help="also report the attention mass each layer drops against dense attention")
     args = parser.parse_args(argv)
 
-    from fibjax.config import ConfigError
+    from fibjax.config import ConfigError, apply_overrides
     from fibjax.data import DataError
     from fibjax.eval import runner
     from fibjax.eval.perplexity import EvalError
@@ -46,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.inference_mode or args.num_blocks or args.block_size:
             cfg = load_run_config(args.workdir)
             overrides = runner.inference_overrides(cfg, args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size) + overrides
+            kind = apply_overrides(cfg.model.attention, overrides).kind
+            if (args.num_blocks or args.block_size) and kind != "block_sparse":
+                raise ConfigError(f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
+                                  f"(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)")
         report, path = runner.evaluate_workdir(args.workdir, step_number=args.step, lengths=args.lengths, specs=specs,
                                                max_tokens=args.max_tokens, attention_overrides=overrides, dropped_mass=args.dropped_mass)
     except (ConfigError, DataError, EvalError, CheckpointError) as e:

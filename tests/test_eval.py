@@ -128,5 +128,31 @@ def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     assert main(["--workdir", str(runs["dense"]), "--lengths", "32", "--inference-mode", "full", "--dropped-mass"]) == 0
     full = json.loads(next(p for p in (runs["dense"] / "eval").iterdir() if "kind_dense" in p.name).read_text())
     assert all(m == 0 for per_layer in full["dropped_mass"]["python_docs"].values() for m in per_layer)
-    assert main(["--workdir", str(runs["dense"]), "--inference-mode", "sparse", "--num-blocks", "0"]) == 2
-    assert "num_blocks" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--workdir", str(runs["dense"]), "--inference-mode", "sparse", "--num-blocks", "0"])
+    assert exit_.value.code == 2 and "--num-blocks: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lengths", "0"], "every length must be >= 8"), (["--lengths", "-5"], "every length must be >= 8"),
+    (["--lengths", "256,0"], "every length must be >= 8"), (["--lengths", "4"], "every length must be >= 8"),
+    (["--lengths", "1x"], "comma-separated integers"), (["--max-tokens", "-5"], "--max-tokens: must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens: must be >= 1"), (["--step", "0"], "--step: must be >= 1"),
+])
+def test_cli_arguments_are_validated_with_one_error_line(args, message, capsys):
+    from launch.eval import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--workdir", "unused", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_block_budget_on_a_run_without_block_sparse_attention_is_an_error(runs, capsys):
+    from launch.eval import main
+
+    before = sorted((runs["fib"] / "eval").glob("*.json")) if (runs["fib"] / "eval").exists() else []
+    assert main(["--workdir", str(runs["fib"]), "--num-blocks", "2"]) == 2
+    assert "block-sparse budget" in capsys.readouterr().err
+    after = sorted((runs["fib"] / "eval").glob("*.json")) if (runs["fib"] / "eval").exists() else []
+    assert after == before  # nothing written under a name that claims a budget

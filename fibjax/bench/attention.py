@@ -133,18 +133,21 @@ def traffic_bytes(case: Case, mode: str) -> int:
     return fwd if mode == "fwd" else fwd + (4 * q_out + 4 * kv + lse)
 
 
-def run(case: Case, paths: list[str], repeats: int) -> dict[tuple[str, str], Measurement]:
-    """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement}."""
+def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None) -> dict[tuple[str, str], Measurement]:
+    """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement};
+    ``progress`` hears one line per path as it finishes."""
     q, k, v = inputs(case)
     alpha = jnp.float32(case.alpha)
     results = {}
     for name in paths:
         try:
             f = PATHS[name](case)
-        except Unavailable:
+        except Unavailable as e:
+            progress(f"seq {case.seq_len} {name}: skipped ({e})")
             continue
         results[(name, "fwd")] = measure(f, q, k, v, alpha, repeats=repeats)
         results[(name, "fwd+bwd")] = measure(forward_backward(f), q, k, v, alpha, repeats=repeats)
+        progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
     return results
 
 
