@@ -6,7 +6,17 @@ nothing. SPEC: files, folders or globs (comma-separated; .txt, .jsonl, .jsonl.gz
 ``hf:DATASET[:CONFIG][@SPLIT]`` (needs `datasets` and network), or ``embedded:python-docs``.
 A repeated NAME adds inputs to it.
 
-Example with the shared corpora:
+Your own text (any folder of .txt/.jsonl/.parquet files; 10% of documents held out by hash):
+
+  python -m launch.prepare_data --out data/mine --vocab-size 8192 --val-fraction 0.1 --source mine=path/to/folder
+
+Hugging Face datasets (pip install -e ".[hf]", network; the README's "Training on real data"
+has the CPU and paper mixtures):
+
+  python -m launch.prepare_data --out data/web --vocab-size 8192 --max-tokens 8000000 \\
+    --source fineweb=hf:HuggingFaceFW/fineweb:sample-10BT
+
+The project's shared corpora (developers' machines only: a user's clone has no ../shared):
 
   python -m launch.prepare_data --out data/mix --vocab-size 32768 \\
     --source fineweb='../shared/data/fineweb/fineweb_train_*.jsonl.gz' \\
