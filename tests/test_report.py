@@ -121,9 +121,13 @@ def test_smoothing_is_centred():
 
     line = np.arange(50.0)
     np.testing.assert_allclose(smooth(line, 9), line)  # no lag, ends included
+    steps = np.random.default_rng(1).normal(size=(200, 400))
+    ends = np.array([smooth(row, 41)[-1] for row in steps])
+    assert ends.std() < 0.6  # the last point averages half a window instead of jumping to the raw value (std 1)
     noisy = 5 + np.random.default_rng(0).normal(size=400)
     assert smooth(noisy, 41)[20:-20].std() < 0.3 * noisy.std()
-    assert np.isnan(smooth(noisy, 41, min_points=21)[[0, 9, -1]]).all() and not np.isnan(smooth(noisy, 41, min_points=21)[10:-10]).any()
+    # min_points counts the values in a window cut by the ends: 21 at index 0, 31 at index 10
+    assert np.isnan(smooth(noisy, 41, min_points=31)[[0, 9, -1]]).all() and not np.isnan(smooth(noisy, 41, min_points=31)[10:-10]).any()
 
 
 def test_plots_skip_what_the_runs_lack(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullLocator, ScalarFormatter
+from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
 # Okabe & Ito (2008), yellow last: it is hard to see on white.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
@@ -52,6 +52,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("NLL by position in the window", "posloss.png", lambda p: plot_posloss(runs, datasets, p, styles, reference)),
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
             ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
+            ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
         ):
             if fn(out / name):
                 made.append((title, out / name))
@@ -72,6 +73,15 @@ def _legend(fig: Figure, axes) -> None:
             labels.setdefault(lab, lab)
     if handles:
         fig.legend(list(handles.values()), list(labels), loc="outside lower center", ncols=min(4, len(handles)), frameon=False)
+
+
+def _log_y(ax) -> None:
+    """Log y axis with plain-number ticks at 1, 1.5, 2, 3, 5, 7 x 10^k: dense enough that every
+    curve has a labelled tick near it, even over less than a decade."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def _save(fig: Figure, path: Path) -> bool:
@@ -108,8 +118,7 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
         ax.set_xticks(ticks, [f"{t}\n(trained)" if t in train_lens else str(t) for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
         if ppls and max(ppls) / min(ppls) > 3:
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(ScalarFormatter())
+            _log_y(ax)
         for t in train_lens:
             ax.axvline(t, color=GUIDE, linestyle=":", linewidth=1.2, zorder=0)
         ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
@@ -127,8 +136,8 @@ def _bin_ticks(runs, nbins: int) -> tuple[list[str], str]:
     lens = {r.train_len for r in runs}
     if len(lens) != 1:
         return [str(i + 1) for i in range(nbins)], "position bin (1 = start of the window)"
-    edges = [math.ceil(i * next(iter(lens)) / nbins) for i in range(nbins + 1)]
-    return [f"{edges[i]}–{edges[i + 1] - 1}" for i in range(nbins)], "token position in the window"
+    starts = [math.ceil(i * next(iter(lens)) / nbins) for i in range(nbins)]
+    return [str(x) for x in starts], "token position in the window (first position of each bin)"
 
 
 def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle], reference=None) -> bool:
@@ -158,7 +167,7 @@ def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunSty
             gap_ax.set_title(f"{d}: minus {reference.label} (> 0: worse)", fontsize=11)
             axes[1][0].set_ylabel("NLL gap (nats per token)")
         for ax in axes[:, j]:
-            ax.set_xticks(np.arange(1, nbins + 1), ticks, rotation=30 if len(ticks[0]) > 5 else 0)
+            ax.set_xticks(np.arange(1, nbins + 1), ticks)
         axes[-1][j].set_xlabel(xlabel)
     lens = sorted({r.train_len for r in runs})
     fig.suptitle(f"NLL by position, windows of the training length ({', '.join(map(str, lens))} tokens)")
@@ -195,14 +204,28 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
 
 
 def smooth(values, window: int, *, min_points: int = 1) -> np.ndarray:
-    """Centred moving average (no lag); the window shrinks symmetrically near the ends, so a
-    straight line stays straight. Points averaged over fewer than ``min_points`` are NaN."""
+    """Centred moving average (no lag). Near the ends, where the window is cut by the array's
+    bounds, a straight line fitted over the points that remain is evaluated instead: a straight
+    line stays straight, and the last point is still an average over half a window, so the
+    curve does not jump to the raw value at the last step. Points with fewer than
+    ``min_points`` values in their window are NaN."""
     v = np.asarray(values, dtype=float)
-    i = np.arange(len(v))
-    half = np.minimum(window // 2, np.minimum(i, len(v) - 1 - i))
-    csum = np.concatenate([[0.0], np.cumsum(v)])
-    out = (csum[i + half + 1] - csum[i - half]) / (2 * half + 1)
-    return np.where(2 * half + 1 >= min_points, out, np.nan)
+    n = len(v)
+    i = np.arange(n)
+    half = window // 2
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half + 1, n)
+
+    def window_sum(a):
+        c = np.concatenate([[0.0], np.cumsum(a)])
+        return c[hi] - c[lo]
+
+    x = i - i.mean()  # centred, for a well-conditioned fit
+    s0, sx, sxx, sy, sxy = hi - lo, window_sum(x), window_sum(x * x), window_sum(v), window_sum(x * v)
+    denom = s0 * sxx - sx * sx
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slope = np.where(denom > 0, (s0 * sxy - sx * sy) / np.where(denom > 0, denom, 1), 0.0)
+    out = (sy - slope * sx) / s0 + slope * x
+    return np.where(s0 >= min_points, out, np.nan)
 
 
 def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -212,13 +235,25 @@ def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array([m["step"] for m in rows]), loss, smooth(loss, window)
 
 
+def _one_per_workdir(runs) -> list:
+    """The first run of each run directory: evaluation variants of one run share its training."""
+    seen, out = set(), []
+    for r in runs:
+        if r.workdir not in seen:
+            seen.add(r.workdir)
+            out.append(r)
+    return out
+
+
 def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> bool:
-    with_metrics = [r for r in runs if any("loss" in m for m in r.metrics)]
+    with_metrics = [r for r in _one_per_workdir(runs) if any("loss" in m for m in r.metrics)]
+    if reference is not None and reference not in with_metrics:
+        reference = next((r for r in with_metrics if r.workdir == reference.workdir), None)
     if not with_metrics:
         return False
     gap = reference in with_metrics and len(with_metrics) > 1
     fig, axes = _panels(2 if gap else 1, width=6.5 if gap else 7.5)
-    window = max(5, max(len(r.metrics) for r in with_metrics) // 20) | 1
+    window = max(5, max(sum("loss" in m for m in r.metrics) for r in with_metrics) // 20) | 1
     curves = {r.label: _loss_curve(r, window) for r in with_metrics}
     ax = axes[0][0]
     for r in with_metrics:
@@ -227,9 +262,7 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
         ax.plot(steps, smoothed, color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
     all_loss = np.concatenate([c[1] for c in curves.values()])
     if all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5:
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
+        _log_y(ax)
     ax.set_xlabel("training step")
     ax.set_ylabel("training loss (nats per token)")
     ax.set_title(f"faint: every step\nbold: centred mean over {window} steps", fontsize=10)
@@ -249,5 +282,31 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
         gap_ax.set_ylabel("loss gap (nats per token)")
         gap_ax.set_title(f"loss minus {reference.label}'s at the same step (> 0: worse)\ncentred mean over {gap_window} steps", fontsize=10)
     fig.suptitle("Training loss")
+    _legend(fig, axes)
+    return _save(fig, path)
+
+
+def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    """The validation curves logged during training (``eval.every_steps``), a panel per dataset."""
+    runs = _one_per_workdir(runs)
+    names = sorted({k[4:] for r in runs for m in r.metrics for k in m if k.startswith("val/")})
+    if not names:
+        return False
+    cols = min(len(names), MAX_COLUMNS)
+    fig, axes = _panels(cols, rows=math.ceil(len(names) / cols), width=5.5 if cols > 1 else 6.5)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        for r in runs:
+            rows = [m for m in r.metrics if f"val/{name}" in m]
+            if rows:
+                s = styles[r.label]
+                ax.plot([m["step"] for m in rows], [m[f"val/{name}"] for m in rows], color=s.color, marker=s.marker, linestyle=s.linestyle,
+                        linewidth=2, markersize=5, label=r.label)
+        ax.set_title(name)
+        ax.set_xlabel("training step")
+    for row in axes:
+        row[0].set_ylabel("validation NLL at the training length")
+    fig.suptitle("Validation loss during training")
     _legend(fig, axes)
     return _save(fig, path)
