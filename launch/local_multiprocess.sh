@@ -23,7 +23,8 @@ forward() { kill -TERM "${pids[@]}" 2>/dev/null || true; }
 trap forward TERM INT
 for ((i = 0; i < N; i++)); do
   XLA_FLAGS="--xla_force_host_platform_device_count=$D" JAX_PLATFORMS=cpu \
-    "$PY" -m launch.train --coordinator "127.0.0.1:$PORT" --num-processes "$N" --process-id "$i" "$@" &
+    "$PY" -m launch.train --coordinator "127.0.0.1:$PORT" --num-processes "$N" --process-id "$i" "$@" \
+    > >(grep --line-buffered -v '^\[Gloo\]') &  # gloo's per-connection lines (stdout) say nothing to a user
   pids+=($!)
   echo "local_multiprocess: process $i of $N is pid $! (coordinator 127.0.0.1:$PORT)"
 done
