@@ -150,7 +150,9 @@ def test_dispatch(monkeypatch):
     assert BlockSizes(128, 64).fit(40) == BlockSizes(64, 64)
     for platform, backend in (("gpu", "triton"), ("tpu", "mosaic_tpu")):
         monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
-        assert pallas_backend.use_pallas(None) and pallas_backend.default_backend() == backend
+        assert pallas_backend.default_backend() == backend
+        # never run on that hardware yet: the default stays XLA until its check is recorded
+        assert not pallas_backend.use_pallas(None) and pallas_backend.use_pallas("pallas")
 
 
 # --- lowering without hardware ----------------------------------------------------------------

@@ -7,8 +7,9 @@ path is causal; the output has q's shape and dtype; softmax statistics are float
 log-sum-exp of the scaled scores over the keys the query attended (-inf if none).
 
 The offset paths take ``implementation``: ``"xla"`` (``offset_xla.py``), ``"pallas"``
-(``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks Pallas on GPU
-and TPU and XLA on CPU. Under a device mesh the kernels run per shard (``sharded.py``).
+(``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks XLA until the
+kernels have passed their hardware check on a platform (``pallas.backend.PALLAS_BY_DEFAULT``).
+Under a device mesh the kernels run per shard (``sharded.py``).
 """
 
 from __future__ import annotations
