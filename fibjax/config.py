@@ -43,7 +43,7 @@ class AttentionConfig:
     learn_alpha: bool = False
     block_size: int = 16
     num_blocks: int = 16
-    # None picks the best implementation for the backend; "xla" or "pallas" forces one
+    # None: XLA until the kernels pass their hardware check (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
     implementation: str | None = None
 
     def __post_init__(self):
