@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ class AttentionConfig:
     alpha: str | tuple[float, ...] = "fixed"
     # learn alpha starting from the schedule above ("learned" alone starts every layer at 1.0)
     learn_alpha: bool = False
+    # the learned path's interpolated rungs with fixed alphas: how a learned run is evaluated
+    # and decoded after training (its final alphas compiled as constants, same numbers, faster)
+    interpolate: bool = False
     block_size: int = 16
     num_blocks: int = 16
     # None: XLA until the kernels pass their hardware check (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
@@ -74,6 +78,11 @@ class AttentionConfig:
     @property
     def is_learned(self) -> bool:
         return self.kind == "offset" and (self.alpha == "learned" or self.learn_alpha)
+
+    @property
+    def is_interpolated(self) -> bool:
+        """Rungs at alpha * f interpolated between floor and floor + 1 (learned, or frozen after learning)."""
+        return self.is_learned or (self.kind == "offset" and self.interpolate)
 
     def layer_alphas(self, num_layers: int) -> tuple[float, ...]:
         """Alpha of every layer (the initial values when learned)."""
@@ -374,7 +383,9 @@ def apply_overrides(cfg, overrides: list[str]):
     return cfg
 
 
-def _replace_path(node, keys: list[str], value, full: str):
+def _replace_path(node, keys: list[str], value, full: str, prefix: str = ""):
+    """``node`` with ``prefix + keys`` set to ``value``. A validation error already names the field
+    inside ``node`` ("window: must be >= 0"), so it gets only ``node``'s own path in front."""
     names = {f.name for f in dataclasses.fields(node)}
     head = keys[0]
     if head not in names:
@@ -383,23 +394,44 @@ def _replace_path(node, keys: list[str], value, full: str):
         child = getattr(node, head)
         if not dataclasses.is_dataclass(child):
             raise ConfigError(f"{full}: {head!r} is a value, not a section")
-        value = _replace_path(child, keys[1:], value, full)
+        value = _replace_path(child, keys[1:], value, full, f"{prefix}{head}.")
     else:
         value = _coerce(value, typing.get_type_hints(type(node))[head], full)
     try:
         return dataclasses.replace(node, **{head: value})
     except ConfigError as e:
-        raise ConfigError(f"{full}: {e}") from None
+        raise ConfigError(f"{prefix}{e}") from None
 
 
 def load_config_file(path: str | Path):
-    """Import a Python config file and return its ``get_config()``."""
+    """Import a Python config file and return its ``get_config()``: a config dataclass.
+
+    Anything that goes wrong in the file (a syntax error, a failing import, an exception in
+    ``get_config()``, a wrong return value) is one ConfigError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     spec = importlib.util.spec_from_file_location(f"fibjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise _config_file_error(path, e) from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {str(path)!r} defines no get_config()")
-    return module.get_config()
+    try:
+        cfg = module.get_config()
+    except Exception as e:
+        raise _config_file_error(path, e) from None
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise ConfigError(f"config file {str(path)!r}: get_config() returned {cfg!r}, not a config such as a TrainConfig (a missing `return`?)")
+    return cfg
+
+
+def _config_file_error(path: Path, e: Exception) -> ConfigError:
+    """``e``, raised while loading the config file ``path``, as one line naming the file and line."""
+    if isinstance(e, SyntaxError) and e.filename and Path(e.filename).resolve() == path.resolve():
+        return ConfigError(f"config file {str(path)!r}, line {e.lineno}: syntax error: {e.msg}")
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    what = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+    return ConfigError(f"config file {str(path)!r}{f', line {lines[-1]}' if lines else ''}: {what}")

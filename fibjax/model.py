@@ -124,7 +124,7 @@ class Attention(nnx.Module):
             return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse)
         if acfg.kind == "block_sparse":
             return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, return_lse=return_lse)
-        if acfg.is_learned:
+        if acfg.is_interpolated:
             return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg),
                                                    return_lse=return_lse, implementation=impl)
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), seq_len=t)

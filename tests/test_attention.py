@@ -77,12 +77,26 @@ def test_dense_matches_oracle_including_chunked(dtype):
 @pytest.mark.parametrize("alpha", [1.0, 0.5, 0.73, 1.21, 1.4999])
 @pytest.mark.parametrize("base", ["fibonacci", "pow2"])
 def test_learned_matches_oracle(dtype, alpha, base):
+    """Both forms of alpha: an array (traced in training) and a Python float (frozen: the rungs
+    compiled as constants with static shifts)."""
     t = 120
     q, k, v = oracle.random_qkv(KEY, 2, t, 4, 2, 16, dtype)
-    out, lse = interpolated_attention(q, k, v, window=4, base=base, alpha=alpha, return_lse=True)
     ref, ref_lse = oracle.learned_attention(q, k, v, window=4, base=base, alpha=alpha)
-    _close(out, ref, oracle.TOL[dtype])
-    _close(lse, ref_lse, oracle.TOL[dtype])
+    for a in (jnp.float32(alpha), alpha):
+        out, lse = interpolated_attention(q, k, v, window=4, base=base, alpha=a, return_lse=True)
+        _close(out, ref, oracle.TOL[dtype])
+        _close(lse, ref_lse, oracle.TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_frozen_alpha_gradients_match_oracle(dtype):
+    t, alpha = 90, 1.13
+    q, k, v = oracle.random_qkv(KEY, 1, t, 4, 2, 16, dtype)
+    w = jax.random.normal(jax.random.PRNGKey(5), q.shape)
+    fast = lambda q, k, v: jnp.sum(interpolated_attention(q, k, v, window=3, base="fibonacci", alpha=alpha).astype(jnp.float32) * w)  # noqa: E731
+    slow = lambda q, k, v: jnp.sum(oracle.learned_attention(q, k, v, window=3, base="fibonacci", alpha=alpha)[0].astype(jnp.float32) * w)  # noqa: E731
+    for g, r in zip(jax.grad(fast, (0, 1, 2))(q, k, v), jax.grad(slow, (0, 1, 2))(q, k, v)):
+        _close(g, r, oracle.GRAD_TOL[dtype])
 
 
 def test_learned_at_alpha_one_equals_static():

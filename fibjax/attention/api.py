@@ -22,7 +22,7 @@ import numpy as np
 from fibjax.attention import offsets
 from fibjax.attention.common import check_qkv
 from fibjax.attention.dense import dense_attention_xla
-from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
+from fibjax.attention.offset_xla import frozen_interpolated_attention_xla, interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import backend as pallas_backend
 from fibjax.attention.pallas import interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.sharded import per_shard
@@ -57,7 +57,10 @@ def interpolated_attention(
 
     ``alpha`` may be a traced scalar (it is differentiable, and changing it never recompiles:
     the rung slots are fixed and masked). It must lie in [0.5, 1.5], the range a learned layer
-    reaches by construction (0.5 + sigmoid(theta)); a concrete value outside raises.
+    reaches by construction (0.5 + sigmoid(theta)); a concrete value outside raises. A Python
+    float is a *frozen* alpha (inference after training): on the XLA path the same rungs and
+    weights are compiled as constants with static shifts, as cheap as the static path; each new
+    float compiles again, so pass an array to vary it.
     """
     check_qkv(q, k, v)
     if not _is_int(window) or window < 0:
@@ -72,6 +75,8 @@ def interpolated_attention(
     if pallas_backend.use_pallas(implementation):
         kernel = lambda q, k, v, a: interpolated_attention_pallas(q, k, v, window=window, base=base, alpha=a, return_lse=return_lse)  # noqa: E731
         return per_shard(kernel, q, k, v, jax.numpy.asarray(alpha, jax.numpy.float32), return_lse=return_lse)
+    if isinstance(alpha, float | int) and not isinstance(alpha, bool):
+        return frozen_interpolated_attention_xla(q, k, v, window=window, base=base, alpha=float(alpha), return_lse=return_lse)
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
 
 

@@ -72,6 +72,14 @@ def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
     return jnp.where(at_lo_T[None, :, None, None], near_BTKD, _shift(near_BTKD, 1))
 
 
+def _mix(x_BTKD: Array, lo: int, frac: float) -> Array:
+    """(1 - frac) x[i - lo] + frac x[max(i - lo - 1, 0)] for a static lo and frac: the blend
+    m[j] = (1 - frac) x[j] + frac x[max(j - 1, 0)] shifted by lo, so one elementwise pass and one
+    static shift, as a static distance costs one shift."""
+    prev = jnp.concatenate([x_BTKD[:, :1], x_BTKD[:, :-1]], axis=1)  # x[max(j - 1, 0)]
+    return _shift(x_BTKD + jnp.asarray(frac, x_BTKD.dtype) * (prev - x_BTKD), lo)
+
+
 # --- the band (window) ----------------------------------------------------------------------
 
 
@@ -146,8 +154,11 @@ def learned_rungs(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> 
 # --- the shared program --------------------------------------------------------------------
 
 
-def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool):
-    """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs``."""
+def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool,
+                      fixed_rungs: Sequence[tuple[int, float]] = ()):
+    """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs`` +
+    ``fixed_rungs``: interpolated rungs (lo, frac) of a known alpha, whose keys and values are
+    mixed once with static shifts (one slot each, as cheap as a static distance)."""
     block = BAND_BLOCK if window is None else max(BAND_BLOCK, -(-window // 8) * 8)
     t_pad = -(-seq_len // block) * block
     if t_pad != seq_len:  # padded queries are dropped; padded keys are later than every real query
@@ -163,6 +174,10 @@ def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], 
     for d in distances:
         scores.append(_slot_scores(q_BTKGD, _shift(k, d))[..., None])
         valid.append(jnp.asarray(pos_T >= d)[:, None])
+    mixed_k = [_mix(k, lo, frac) for lo, frac in fixed_rungs]
+    for (lo, _), k_mix in zip(fixed_rungs, mixed_k):
+        scores.append(_slot_scores(q_BTKGD, k_mix)[..., None])
+        valid.append(jnp.asarray(pos_T >= lo)[:, None])
     if rungs is not None:
         for lo, frac, active in zip(*rungs):
             k_near = _shift_dynamic(k, lo)
@@ -179,6 +194,9 @@ def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], 
         col = window + block
     for d in distances:
         o_BTKGD += _slot_values(p_BTKGS[..., col], _shift(v, d))
+        col += 1
+    for lo, frac in fixed_rungs:
+        o_BTKGD += _slot_values(p_BTKGS[..., col], _mix(v, lo, frac))
         col += 1
     if rungs is not None:
         for lo, frac, _ in zip(*rungs):
@@ -207,3 +225,24 @@ def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, bas
     bases = offsets.learned_rung_bases(window=window, base=base, seq_len=t)
     rungs = learned_rungs(alpha, bases, window=window, seq_len=t) if bases else None
     return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse)
+
+
+def frozen_rungs(alpha: float, base, *, window: int, seq_len: int, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
+    """(lo, frac) of every active rung for a known alpha, computed by :func:`learned_rungs` itself
+    (in ``dtype``, the same skip rules) so the frozen path attends exactly what the traced one does."""
+    bases = offsets.learned_rung_bases(window=window, base=base, seq_len=seq_len)
+    if not bases:
+        return ()
+    with jax.ensure_compile_time_eval():
+        lo_R, frac_R, active_R = jax.device_get(learned_rungs(jnp.asarray(alpha, dtype), bases, window=window, seq_len=seq_len))
+    return tuple((int(lo), float(frac)) for lo, frac, on in zip(lo_R, frac_R, active_R) if on)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "base", "alpha", "return_lse"))
+def frozen_interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, base, alpha: float, return_lse: bool = False):
+    """The learned path at a known alpha (inference after training): the same rungs and weights,
+    compiled as constants, so each rung is one slot with static shifts instead of a traced one."""
+    t = q.shape[1]
+    fixed = frozen_rungs(alpha, base, window=window, seq_len=t, dtype=stats_dtype(q))
+    return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=None, seq_len=t, return_lse=return_lse, fixed_rungs=fixed)
+

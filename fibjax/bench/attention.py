@@ -82,18 +82,23 @@ class Unavailable(Exception):
     """A path that cannot run for this case on this machine (its row is left out)."""
 
 
+def _learned_frozen(case: Case) -> Callable:
+    """The learned path after training: alpha a Python float, compiled as a constant."""
+    return lambda q, k, v, alpha: attention.interpolated_attention(q, k, v, window=case.window, base="fibonacci", alpha=float(case.alpha), implementation="xla")
+
+
 def _block_sparse(case: Case) -> Callable:
     return lambda q, k, v, alpha: attention.block_sparse_attention(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks)
 
 
 PATHS: dict[str, Callable[[Case], Callable]] = {
-    "dense": _dense, "static": _static, "learned": _learned, "block_sparse": _block_sparse,
+    "dense": _dense, "static": _static, "learned": _learned, "learned_frozen": _learned_frozen, "block_sparse": _block_sparse,
     "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
 }
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
-    ("static", "dense"), ("learned", "static"), ("block_sparse", "dense"), ("static_pallas", "static"), ("learned_pallas", "learned"),
+    ("static", "dense"), ("learned", "static"), ("learned_frozen", "static"), ("block_sparse", "dense"), ("static_pallas", "static"), ("learned_pallas", "learned"),
     ("learned_pallas", "static_pallas"), ("static_pallas", "cudnn"), ("learned_pallas", "cudnn"),
 ]
 
@@ -101,7 +106,7 @@ RATIOS: list[tuple[str, str]] = [
 def default_paths() -> list[str]:
     """Every path that is fast enough to run here: on CPU the Pallas rows are interpret mode."""
     if jax.default_backend() == "cpu":
-        return ["dense", "static", "learned", "block_sparse"]
+        return ["dense", "static", "learned", "learned_frozen", "block_sparse"]
     return list(PATHS)
 
 

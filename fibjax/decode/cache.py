@@ -80,7 +80,7 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
         raise NotImplementedError(
             f"decoding a {acfg.kind!r} layer is not available yet: it needs a full cache (fibjax/decode/cache.py, "
             "_FULL_CACHE_KINDS) and a single-query attention (fibjax/decode/attend.py)")
-    if not acfg.is_learned:
+    if not acfg.is_interpolated:
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=attn.alpha(), seq_len=max_len)
         ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
         return LayerPlan("static", max(ds) + 1, max_len, distances=ds)
