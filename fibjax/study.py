@@ -24,7 +24,6 @@ from pathlib import Path
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
 
 
-
 @dataclass(frozen=True)
 class StudyRun:
     """One model of the study: a config file plus overrides (the study's common ones first)."""
@@ -263,7 +262,7 @@ def write_results(study: Study, say=print) -> Path | None:
         return None
     ref = study.reference if study.reference in {r.name for r in finished} else None
     try:
-        report = build_report([study.run_dir(r) for r in finished], out, reference=ref)
+        build_report([study.run_dir(r) for r in finished], out, reference=ref)
     except ReportError as e:
         raise StudyError(f"the report could not be built: {e}") from e
     summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}

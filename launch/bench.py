@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
     p = sub.add_parser("train", help="train-step throughput of configs, side by side (synthetic batches)", **defaults)
-    p.add_argument("--configs", help="comma-separated config files", default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py")
+    p.add_argument("--configs", help="comma-separated config files",
+                   default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py")
     p.add_argument("--steps", type=int, default=10, help="timed steps per config")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config")
     args = parser.parse_args(argv)

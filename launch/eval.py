@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
 
 

@@ -1,4 +1,4 @@
-"""Run a study (many runs trained, evaluated and reported; resumable): ``python -m launch.study configs/study/cpu.py [--only A,B] [--stage N] [--status] [--report]``.
+"""Run a study (many runs trained, evaluated and reported; resumable): ``python -m launch.study STUDY.py [--only A,B] [--stage N] [--status]``.
 
 Trains every run of the study in order (each as ``python -m launch.train``), evaluates it
 (``python -m launch.eval``), and rewrites the study's report after each run. Run it again and
