@@ -108,6 +108,9 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    # positions per chunk of the output projection + loss (0: all at once): memory only, the
+    # [batch, seq, vocab] logits are never materialised in the loss or evaluation when > 0
+    logits_chunk: int = 0
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self):
@@ -119,6 +122,7 @@ class ModelConfig:
             _require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads ({self.num_heads}) unless head_dim is set", self.d_model)
         _require(self.resolved_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)", self.resolved_head_dim)
         _require(self.rope_theta > 0, "rope_theta", "must be > 0", self.rope_theta)
+        _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0 = no chunking)", self.logits_chunk)
         for name in ("dtype", "param_dtype"):
             _require(getattr(self, name) in ("float32", "bfloat16"), name, "must be float32 or bfloat16", getattr(self, name))
         if not isinstance(self.attention.alpha, str):

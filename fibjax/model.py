@@ -186,13 +186,24 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
     def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
-                 probe_dropped_mass: bool = False) -> Array:
-        """``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's
+                 probe_dropped_mass: bool = False, targets_BT: Array | None = None) -> Array:
+        """Logits [B, T, V] float32; with ``targets_BT``, the per-token NLL [B, T] float32 instead,
+        computed ``cfg.logits_chunk`` positions at a time so the full logits never exist.
+        ``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's
         dropped attention mass against dense attention (evaluation)."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, ssa=ssa, probe_dropped_mass=probe_dropped_mass)
+        if targets_BT is None:
+            return self.logits(x_BTD)
+        return chunked_nll(self.final_norm(x_BTD), self.embed.embedding[...], targets_BT, self.cfg.logits_chunk)
+
+    def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
+               probe_dropped_mass: bool = False) -> Array:
+        """The residual stream after the last block [B, T, D] (before the final norm)."""
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x_BTD = self.embed(tokens_BT)
+
         def run_block(block: Block, x_BTD: Array) -> Array:
             return block(x_BTD, positions_BT, ssa, probe_dropped_mass)
 
@@ -200,18 +211,44 @@ class Transformer(nnx.Module):
             run_block = nnx.remat(run_block)
         for block in self.blocks:
             x_BTD = run_block(block, x_BTD)
-        return self.logits(x_BTD)
+        return x_BTD
 
     def logits(self, x_BTD: Array) -> Array:
         """Final norm and the tied output projection, accumulated and returned in float32 even
         when the model computes in bf16 (the loss and every perplexity come from these)."""
-        x_BTD = self.final_norm(x_BTD)
-        table_VD = self.embed.embedding[...].astype(x_BTD.dtype)
-        return jnp.einsum("btd,vd->btv", x_BTD, table_VD, preferred_element_type=jnp.float32)
+        return _logits(self.final_norm(x_BTD), self.embed.embedding[...])
 
     def alphas(self) -> list[float | Array | None]:
         """Per-layer alpha (None for layers without one)."""
         return [block.attn.alpha() for block in self.blocks]
+
+
+def _logits(x_BTD: Array, table_VD: Array) -> Array:
+    return jnp.einsum("btd,vd->btv", x_BTD, table_VD.astype(x_BTD.dtype), preferred_element_type=jnp.float32)
+
+
+def _nll(x_BTD: Array, table_VD: Array, targets_BT: Array) -> Array:
+    logits_BTV = _logits(x_BTD, table_VD)
+    picked_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits_BTV, axis=-1) - picked_BT
+
+
+def chunked_nll(x_BTD: Array, table_VD: Array, targets_BT: Array, chunk: int) -> Array:
+    """Per-token NLL [B, T] float32 of the normed stream ``x`` under the tied output projection,
+    ``chunk`` positions at a time (0: all at once). Each chunk is rematerialised in the backward
+    pass (jax.checkpoint inside lax.map), so at most one chunk of [B, chunk, V] logits is alive
+    in training as in evaluation: at paper B's vocabulary (128,256) and 8,192 tokens the full
+    logits would be 4 GB per sequence. The numbers are the unchunked ones (tested)."""
+    b, t, d = x_BTD.shape
+    if chunk <= 0 or chunk >= t:
+        return _nll(x_BTD, table_VD, targets_BT)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    x_NBCD = jnp.pad(x_BTD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d).swapaxes(0, 1)
+    y_NBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+    one = jax.checkpoint(lambda xy: _nll(xy[0], table_VD, xy[1]))
+    nll_NBC = jax.lax.map(one, (x_NBCD, y_NBC))
+    return nll_NBC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
 
 
 @functools.lru_cache(maxsize=32)

@@ -44,10 +44,8 @@ def token_nll_fn(model_cfg: ModelConfig):
     graphdef = graphdef_of(model_cfg)
 
     @jax.jit
-    def nll(params, tokens_BL1):
-        logits_BLV = nnx.merge(graphdef, params)(tokens_BL1[:, :-1])
-        logp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp_BLV, tokens_BL1[:, 1:, None], axis=-1)[..., 0]
+    def nll(params, tokens_BL1):  # model.logits_chunk bounds the logits' memory
+        return nnx.merge(graphdef, params)(tokens_BL1[:, :-1], targets_BT=tokens_BL1[:, 1:])
 
     return nll
 
