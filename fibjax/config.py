@@ -104,6 +104,11 @@ class ModelConfig:
     head_dim: int = 0
     mlp_hidden: int = 0
     rope_theta: float = 10000.0
+    # RoPE scaling for a longer context (training, evaluation and decoding alike): none | ntk
+    # (theta raised) | linear (position interpolation) | yarn (needs rope_original_len)
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_original_len: int = 0
     norm_eps: float = 1e-6
     dtype: str = "float32"
     param_dtype: str = "float32"
@@ -122,6 +127,9 @@ class ModelConfig:
             _require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads ({self.num_heads}) unless head_dim is set", self.d_model)
         _require(self.resolved_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)", self.resolved_head_dim)
         _require(self.rope_theta > 0, "rope_theta", "must be > 0", self.rope_theta)
+        _require(self.rope_scaling in ("none", "ntk", "linear", "yarn"), "rope_scaling", "must be none, ntk, linear or yarn", self.rope_scaling)
+        _require(self.rope_factor >= 1.0, "rope_factor", "must be >= 1 (the context grows by this factor)", self.rope_factor)
+        _require(self.rope_scaling != "yarn" or self.rope_original_len >= 1, "rope_original_len", "yarn needs the pre-training length", self.rope_original_len)
         _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0 = no chunking)", self.logits_chunk)
         for name in ("dtype", "param_dtype"):
             _require(getattr(self, name) in ("float32", "bfloat16"), name, "must be float32 or bfloat16", getattr(self, name))

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fibjax import attention as attn_lib
@@ -30,12 +31,41 @@ def _init(std: float, axes: tuple[str | None, ...]):
     return nnx.with_metadata(nnx.initializers.normal(std), logical_axes=axes)
 
 
-def rope(x_BTHE: Array, positions_BT: Array, theta: float) -> Array:
+def rope_frequencies(head_dim: int, cfg: ModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [E/2] and the attention temperature of ``cfg``'s RoPE and its scaling.
+
+    none:   theta^(-2i/E).
+    ntk:    the base raised so the lowest frequency stretches by ``factor`` (NTK-aware):
+            theta' = theta * factor^(E / (E - 2)).
+    linear: position interpolation, every frequency divided by ``factor``.
+    yarn:   "NTK-by-parts" (Peng et al. 2023, eq. in sec. 3.2): with r_i = original_len / wavelength_i,
+            frequencies with r_i < beta_slow (1) are interpolated (/ factor), those with r_i >
+            beta_fast (32) kept, a linear ramp between; and the logits are scaled by
+            (0.1 ln(factor) + 1)^2 (applied as that factor on both q and k).
+    """
+    i = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    theta, factor = cfg.rope_theta, cfg.rope_factor
+    if cfg.rope_scaling == "ntk":
+        theta = theta * factor ** (head_dim / (head_dim - 2))
+    inv_freq = theta**-i
+    if cfg.rope_scaling == "linear":
+        inv_freq = inv_freq / factor
+    mscale = 1.0
+    if cfg.rope_scaling == "yarn":
+        ratio = cfg.rope_original_len * inv_freq / (2 * np.pi)  # original length / wavelength
+        keep = np.clip((ratio - YARN_BETA_SLOW) / (YARN_BETA_FAST - YARN_BETA_SLOW), 0.0, 1.0)
+        inv_freq = (1 - keep) * inv_freq / factor + keep * inv_freq
+        mscale = 0.1 * math.log(factor) + 1.0
+    return inv_freq.astype(np.float32), mscale
+
+
+YARN_BETA_SLOW, YARN_BETA_FAST = 1.0, 32.0
+
+
+def rope(x_BTHE: Array, positions_BT: Array, inv_freq_E2: np.ndarray, mscale: float = 1.0) -> Array:
     """Rotary embedding (rotate-half convention) at absolute positions, computed in float32."""
-    e = x_BTHE.shape[-1]
-    inv_freq_E2 = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
-    angle_BTE2 = positions_BT.astype(jnp.float32)[..., None] * inv_freq_E2
-    cos, sin = jnp.cos(angle_BTE2)[:, :, None, :], jnp.sin(angle_BTE2)[:, :, None, :]
+    angle_BTE2 = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq_E2)
+    cos, sin = jnp.cos(angle_BTE2)[:, :, None, :] * mscale, jnp.sin(angle_BTE2)[:, :, None, :] * mscale
     x1, x2 = jnp.split(x_BTHE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHE.dtype)
@@ -113,8 +143,8 @@ class Attention(nnx.Module):
         q_BTHE = self.q_proj(x_BTD).reshape(b, t, self.cfg.num_heads, e)
         k_BTKE = self.k_proj(x_BTD).reshape(b, t, self.cfg.num_kv_heads, e)
         v_BTKE = self.v_proj(x_BTD).reshape(b, t, self.cfg.num_kv_heads, e)
-        theta = self.cfg.rope_theta
-        return rope(q_BTHE, positions_BT, theta), rope(k_BTKE, positions_BT, theta), v_BTKE
+        inv_freq, mscale = rope_frequencies(e, self.cfg)
+        return rope(q_BTHE, positions_BT, inv_freq, mscale), rope(k_BTKE, positions_BT, inv_freq, mscale), v_BTKE
 
     def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, return_lse: bool = False):
         """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's)."""

@@ -8,7 +8,7 @@ from flax import nnx
 
 from fibjax.attention import attended_distances
 from fibjax.config import AttentionConfig, ModelConfig
-from fibjax.model import Transformer, count_params, rope
+from fibjax.model import Transformer, count_params, rope, rope_frequencies
 
 
 def tiny(**attention) -> ModelConfig:
@@ -80,14 +80,40 @@ def test_static_layer_uses_the_attended_set_at_run_length():
     np.testing.assert_array_equal(np.asarray(out_x[:, 129]), np.asarray(out_y[:, 129]))  # nor 129
 
 
+def _freqs(**kw):
+    return rope_frequencies(16, ModelConfig(**{"d_model": 32, "num_heads": 2, "num_kv_heads": 1, **kw}))
+
+
 def test_rope_is_a_rotation_and_relative():
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 8, 2, 16))
     pos = jnp.arange(8)[None]
-    r = rope(x, pos, 1e4)
+    inv_freq, _ = _freqs()
+    r = rope(x, pos, inv_freq)
     np.testing.assert_allclose(np.linalg.norm(r, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
     q, k = jax.random.normal(jax.random.PRNGKey(1), (2, 1, 1, 1, 16))
-    dot = lambda i, j: float(jnp.sum(rope(q, jnp.array([[i]]), 1e4) * rope(k, jnp.array([[j]]), 1e4)))  # noqa: E731
+    dot = lambda i, j: float(jnp.sum(rope(q, jnp.array([[i]]), inv_freq) * rope(k, jnp.array([[j]]), inv_freq)))  # noqa: E731
     np.testing.assert_allclose(dot(5, 2), dot(105, 102), rtol=1e-4)
+
+
+def test_rope_scaling_matches_hand_computed_rotations():
+    base, _ = _freqs()
+    np.testing.assert_allclose(base, [1e4 ** (-i / 16) for i in range(0, 16, 2)], rtol=1e-6)
+    for kind in ("ntk", "linear", "yarn"):  # a factor of 1 is the identity
+        freqs, mscale = _freqs(rope_scaling=kind, rope_factor=1.0, rope_original_len=256)
+        np.testing.assert_allclose(freqs, base, rtol=1e-6) and np.testing.assert_equal(mscale, 1.0)
+    np.testing.assert_allclose(_freqs(rope_scaling="linear", rope_factor=4.0)[0], base / 4, rtol=1e-6)
+    ntk, _ = _freqs(rope_scaling="ntk", rope_factor=4.0)
+    np.testing.assert_allclose(ntk, [(1e4 * 4 ** (16 / 14)) ** (-i / 16) for i in range(0, 16, 2)], rtol=1e-5)
+    assert ntk[0] == base[0] and np.isclose(ntk[-1], base[-1] / 4)  # highest frequency kept, lowest interpolated
+    yarn, mscale = _freqs(rope_scaling="yarn", rope_factor=4.0, rope_original_len=256)
+    wavelength = 2 * np.pi / base
+    ramp = np.clip((256 / wavelength - 1) / 31, 0, 1)
+    np.testing.assert_allclose(yarn, (1 - ramp) * base / 4 + ramp * base, rtol=1e-6)
+    assert mscale == pytest.approx(0.1 * np.log(4) + 1)
+    # the rotation itself: position 3 at the first (fastest) pair turns by 3 * inv_freq[0] radians
+    x = jnp.zeros((1, 1, 1, 16)).at[..., 0].set(1.0)
+    out = rope(x, jnp.array([[3]]), yarn, mscale)
+    np.testing.assert_allclose([out[0, 0, 0, 0], out[0, 0, 0, 8]], mscale * np.array([np.cos(3 * yarn[0]), np.sin(3 * yarn[0])]), rtol=1e-5)
 
 
 def test_bf16_compute_runs_and_stays_close_to_fp32():
