@@ -74,3 +74,17 @@ def test_derived_sizes():
     assert AttentionConfig(kind="offset", alpha="learned").is_learned
     assert AttentionConfig(kind="offset", alpha="staggered", learn_alpha=True).is_learned
     assert not AttentionConfig(kind="dense", learn_alpha=True).is_learned
+
+
+def test_loading_a_config_imports_no_jax():
+    """Config files, recipes and the offset geometry are pure Python: a planning tool or a
+    launcher can read them without starting JAX or importing the kernels."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fibjax.config, fibjax.recipes, fibjax.attention.offsets; "
+            "fibjax.config.load_config_file('configs/cpu/fib_stagger_w8.py'); "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax', 'fibjax.attention.pallas'))))")
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip() == "[]", out.stdout

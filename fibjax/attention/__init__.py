@@ -2,10 +2,16 @@
 
 >>> from fibjax.attention import attended_distances, offset_attention
 >>> ds = attended_distances(window=12, base="fibonacci", alpha=1.0, seq_len=1024)
+
+The pure-Python offset math (``fibjax.attention.offsets``) imports no JAX; the attention
+functions load JAX and the kernels on first use (PEP 562 module ``__getattr__``), so a config
+file or a planning tool can use the geometry without starting JAX.
 """
 
-from fibjax.attention.api import dense_attention, interpolated_attention, offset_attention
-from fibjax.attention.block_sparse import block_sparse_attention, dropped_mass, select_blocks
+from __future__ import annotations
+
+import importlib
+
 from fibjax.attention.offsets import (
     FIBONACCI_RUNGS,
     alpha_schedule,
@@ -17,6 +23,23 @@ from fibjax.attention.offsets import (
     learned_rung_bases,
     learned_rung_spec,
 )
+
+# name -> the submodule that defines it (imported when first asked for)
+_LAZY = {
+    "dense_attention": "fibjax.attention.api",
+    "interpolated_attention": "fibjax.attention.api",
+    "offset_attention": "fibjax.attention.api",
+    "block_sparse_attention": "fibjax.attention.block_sparse",
+    "dropped_mass": "fibjax.attention.block_sparse",
+    "select_blocks": "fibjax.attention.block_sparse",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fibjax.attention' has no attribute {name!r}")
+
 
 __all__ = [
     "FIBONACCI_RUNGS",
