@@ -252,14 +252,18 @@ def test_sample_refuses_a_checkpoint_without_its_tokenizer(run_dir, capsys, tmp_
     assert rc == 2 and "has no tokenizer" in err
 
 
-def test_block_sparse_layers_are_not_decodable_yet():
-    try:
-        cfg = tiny(1, kind="block_sparse")
-    except Exception:  # noqa: BLE001
-        pytest.skip("no block_sparse attention config in this build")
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    with pytest.raises(NotImplementedError, match="full cache"):
-        plan_layers(model, 64)
+@pytest.mark.parametrize("block_size, num_blocks, capacity, prompt", [(8, 3, 72, 20), (16, 2, 64, 16), (8, 100, 40, 7)])
+def test_block_sparse_cached_logits_equal_the_full_forward(block_size, num_blocks, capacity, prompt):
+    """MoBA layers decode from a full cache plus one key sum per completed block; the cached logits
+    equal a full forward under the same block-sparse attention (a budget past the blocks = dense)."""
+    cfg = tiny(2, kind="block_sparse", block_size=block_size, num_blocks=num_blocks)
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
+    cached, full, decoder = cached_and_full(model, tokens, prompt)
+    np.testing.assert_allclose(cached, full, atol=TOL["float32"])
+    assert decoder.plans[0].kind == "blocks" and decoder.traces["step"] == 1
+    cache = decoder.init_cache(2)
+    assert cache[0].ksum.shape == (2, cfg.num_kv_heads, -(-capacity // block_size), cfg.resolved_head_dim)
 
 
 def test_decoder_checks_its_capacity():

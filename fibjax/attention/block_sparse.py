@@ -95,8 +95,8 @@ def _layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
     return chunk, -(-t // chunk) * chunk
 
 
-def _num_top(t: int, block: int, num_blocks: int) -> int:
-    """Slots for earlier blocks: S-1, capped at the most any query can have (N-1)."""
+def num_earlier_blocks(t: int, block: int, num_blocks: int) -> int:
+    """Slots for earlier blocks at length t: S-1, capped at the most any query can have (N-1)."""
     return min(num_blocks - 1, -(-t // block) - 1)
 
 
@@ -107,7 +107,7 @@ def block_sparse_attention_xla(q: Array, k: Array, v: Array, *, block_size: int,
     b, t, h, d = q.shape
     kh = k.shape[2]
     chunk, t_pad = _layout(t, block_size, query_chunk)
-    top = _num_top(t, block_size, num_blocks)
+    top = num_earlier_blocks(t, block_size, num_blocks)
     # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
     q, k, v = (_pad_to(x, t_pad) for x in (q, k, v))
     q_BTKGD = q.reshape(b, t_pad, kh, h // kh, d)
@@ -153,7 +153,7 @@ def _select_all(q: Array, k: Array, *, block_size: int, num_blocks: int) -> Arra
     _, t_pad = _layout(t, block_size, t)
     q, k = _pad_to(q, t_pad), _pad_to(k, t_pad)
     idx = _select(q.reshape(b, t_pad, k.shape[2], h // k.shape[2], d), _block_sums(k, block_size), 0,
-                  block=block_size, top=_num_top(t, block_size, num_blocks))
+                  block=block_size, top=num_earlier_blocks(t, block_size, num_blocks))
     return idx[:, :t]
 
 

@@ -25,9 +25,12 @@ Array = jax.Array
 
 def attend_prompt(plan: LayerPlan, attn, q_BPHE: Array, k_BPKE: Array, v_BPKE: Array) -> Array:
     """The prompt's attention output with the library's paths, at the capacity's attended set."""
-    impl = attn.cfg.attention.implementation
+    acfg = attn.cfg.attention
+    impl = acfg.implementation
     if plan.kind == "full":
         return attn_lib.dense_attention(q_BPHE, k_BPKE, v_BPKE)
+    if plan.kind == "blocks":  # a query's choice depends only on earlier blocks: the prompt alone decides it
+        return attn_lib.block_sparse_attention(q_BPHE, k_BPKE, v_BPKE, block_size=acfg.block_size, num_blocks=plan.top + 1)
     if plan.kind == "static":
         return attn_lib.offset_attention(q_BPHE, k_BPKE, v_BPKE, distances=plan.distances, implementation=impl)
     # an explicit base (the rungs at L) keeps the rungs of pow2 those of the capacity
@@ -47,6 +50,29 @@ def _rows(x_BKRE: Array, positions_S: Array) -> Array:
     return jnp.take(x_BKRE, positions_S % x_BKRE.shape[2], axis=2)
 
 
+def _selected_rows(plan: LayerPlan, q_B1HE: Array, ksum_BKNE: Array, pos: Array) -> Array:
+    """Rows [B, K, S * block] of the blocks the query at ``pos`` attends (-1: an empty slot), chosen
+    as ``block_sparse_attention`` chooses: its own block, then the ``plan.top`` earlier blocks
+    with the highest (sum over the group's heads of q) . (key sum), ties to the lower block."""
+    b, _, h, e = q_B1HE.shape
+    kh, n = ksum_BKNE.shape[1], ksum_BKNE.shape[2]
+    own = pos // plan.block_size
+    blocks_BKS = jnp.full((b, kh, 1), own, jnp.int32)
+    if plan.top:
+        qsum_BKE = jnp.sum(q_B1HE[:, 0].astype(jnp.float32).reshape(b, kh, h // kh, e), axis=2)
+        s_BKN = jnp.einsum("bke,bkne->bkn", qsum_BKE, ksum_BKNE, precision=jax.lax.Precision.HIGHEST)
+        _, idx_BKT = jax.lax.top_k(jnp.where(jnp.arange(n) < own, s_BKN, -jnp.inf), plan.top)
+        blocks_BKS = jnp.concatenate([blocks_BKS, jnp.where(idx_BKT < own, idx_BKT, -1).astype(jnp.int32)], axis=-1)
+    rows_BKSJ = blocks_BKS[..., None] * plan.block_size + jnp.arange(plan.block_size)
+    return jnp.where(blocks_BKS[..., None] >= 0, rows_BKSJ, -1).reshape(b, kh, -1)
+
+
+def _take_rows(x_BKRE: Array, rows_BKS: Array) -> Array:
+    """x's rows per (batch, KV head): [B, K, S, E] (rows outside the cache read row 0; callers mask them)."""
+    idx = jnp.clip(rows_BKS, 0, x_BKRE.shape[2] - 1)
+    return jnp.take_along_axis(x_BKRE, idx[..., None], axis=2)
+
+
 def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, kv: KV, pos: Array) -> Array:
     """Output [B, 1, H, E] of the query at position ``pos`` (traced) with its own key/value
     ``k_B1KE, v_B1KE`` and the cache ``kv`` as it was *before* this position was written.
@@ -60,6 +86,10 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
     k_BK1E, v_BK1E = jnp.swapaxes(k_B1KE, 1, 2), jnp.swapaxes(v_B1KE, 1, 2)
     if plan.kind == "full":  # row j holds position j
         keys, values, valid = [kv.k], [kv.v], [jnp.arange(kv.k.shape[2]) < pos]
+    elif plan.kind == "blocks":
+        rows_BKS = _selected_rows(plan, q_B1HE, kv.ksum, pos)
+        keys, values = [_take_rows(kv.k, rows_BKS)], [_take_rows(kv.v, rows_BKS)]
+        valid = [((rows_BKS >= 0) & (rows_BKS < pos))[:, :, None, :]]
     else:
         d_S = np.asarray(plan.distances[1:])  # distances are sorted and start at 0 (the window)
         keys, values, valid = [_rows(kv.k, pos - d_S)], [_rows(kv.v, pos - d_S)], [pos >= d_S]
@@ -72,6 +102,7 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
         s_near, s_far = _scores(q_BKGE, _rows(kv.k, near_R)), _scores(q_BKGE, _rows(kv.k, far_R))
         scores.append(s_near + frac_R * (s_far - s_near))  # the score is linear in the key
         valid.append((pos >= lo_R) & active_R)
+    valid = [jnp.broadcast_to(m, (b, kv.k.shape[1], 1, m.shape[-1])) for m in valid]  # [S] or [B, K, 1, S] pieces
     p_BKGS, _ = masked_softmax(jnp.concatenate(scores, -1), jnp.concatenate(valid, -1))
     o_BKGE, col = 0.0, 0
     for v in values:

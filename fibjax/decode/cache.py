@@ -10,7 +10,10 @@ rungs are the powers of two <= L-1) changes with the capacity.
 
 Per layer (``LayerPlan``):
 
-* ``full``: dense attention: one row per position, L rows (block-sparse layers will use it too);
+* ``full``: dense attention: one row per position, L rows;
+* ``blocks``: block-sparse attention (MoBA / SSA's sparse stream): one row per position, and the
+  key sum of every completed block, written once when its last position is (``ksum``), so a
+  step scores L / block_size block sums and reads only the selected blocks' rows;
 * ``static``: a ring buffer of max(distances) + 1 rows; position p lives in row p mod rows;
 * ``learned``: window {0..W} plus interpolated rung slots whose lo is computed from the layer's
   current alpha inside the step (as the full forward does); the buffer holds the largest
@@ -31,13 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fibjax.attention import offsets
+from fibjax.attention.block_sparse import num_earlier_blocks
 from fibjax.attention.offset_xla import learned_rungs
 
 Array = jax.Array
 
-# Layer kinds whose cache is one row per position. block_sparse belongs here once it has a
-# single-query attention in ``attend.py`` (the hook: add it to ``_FULL_CACHE_KINDS`` below).
-_FULL_CACHE_KINDS = ("dense",)
 LEARNED_MARGIN_ROWS = 1
 
 
@@ -45,21 +46,25 @@ LEARNED_MARGIN_ROWS = 1
 class LayerPlan:
     """One layer's cache and attended set at capacity ``max_len`` (hashable: a static value)."""
 
-    kind: str  # "full" | "static" | "learned"
+    kind: str  # "full" | "static" | "learned" | "blocks"
     rows: int  # cache rows (the ring buffer's length)
     max_len: int
     distances: tuple[int, ...] = ()  # static: the attended set; learned: the window {0..W}
     rungs: tuple[int, ...] = ()  # learned: the base rungs at max_len, as an explicit base
     slots: tuple[int, ...] = ()  # learned: the rungs some alpha can activate (fixed slots)
     window: int = 0
+    block_size: int = 0  # blocks: keys per block
+    top: int = 0  # blocks: earlier blocks selected besides the own one (as the full forward at max_len)
 
 
 class KV(NamedTuple):
     """One layer's cache: k, v [B, K, R, E] (heads before rows: the layout the single-query
-    matmuls read without a transposed copy of the cache); position p is row p % R."""
+    matmuls read without a transposed copy of the cache); position p is row p % R. Block-sparse
+    layers also keep ksum [B, K, N, E] float32, the key sum of each completed block."""
 
     k: Array
     v: Array
+    ksum: Array | None = None
 
 
 Cache = tuple[KV, ...]
@@ -74,12 +79,12 @@ def plan_layers(model, max_len: int) -> tuple[LayerPlan, ...]:
 
 def _plan_layer(attn, max_len: int) -> LayerPlan:
     acfg = attn.cfg.attention
-    if acfg.kind in _FULL_CACHE_KINDS:
+    if acfg.kind == "dense":
         return LayerPlan("full", max_len, max_len)
+    if acfg.kind == "block_sparse":
+        return LayerPlan("blocks", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
     if acfg.kind != "offset":
-        raise NotImplementedError(
-            f"decoding a {acfg.kind!r} layer is not available yet: it needs a full cache (fibjax/decode/cache.py, "
-            "_FULL_CACHE_KINDS) and a single-query attention (fibjax/decode/attend.py)")
+        raise NotImplementedError(f"decoding a {acfg.kind!r} layer is not available (fibjax/decode/cache.py, _plan_layer)")
     if not acfg.is_interpolated:
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=attn.alpha(), seq_len=max_len)
         ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
@@ -96,14 +101,24 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     return LayerPlan("learned", min(reach + 1, max_len), max_len, distances=window, rungs=rungs, slots=slots, window=acfg.window)
 
 
+def num_block_sums(plan: LayerPlan) -> int:
+    return -(-plan.max_len // plan.block_size)
+
+
 def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim: int, dtype) -> Cache:
     """Zeros for every layer (the rows a position has not written yet are never attended)."""
-    return tuple(KV(*(jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))) for p in plans)
+    def empty(p: LayerPlan) -> KV:
+        k, v = (jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))
+        ksum = jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), jnp.float32) if p.kind == "blocks" else None
+        return KV(k, v, ksum)
+
+    return tuple(empty(p) for p in plans)
 
 
-def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array) -> KV:
+def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array, block_size: int = 0) -> KV:
     """Store the key/value of position ``pos`` (traced) in its row ``pos % R``, once ``after``
-    (the attention output that read the old cache) is computed.
+    (the attention output that read the old cache) is computed; a block-sparse layer's block
+    sum is written when ``pos`` completes its block.
 
     The write takes a zero made from ``after`` (x * 0 is not folded for floats), so it depends
     on every read of the cache. Without that order XLA:CPU copies each donated cache once or
@@ -112,16 +127,32 @@ def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Arra
     """
     row = pos % kv.k.shape[2]
     zero = after.reshape(after.shape[0], 1, 1, -1)[..., :1] * 0
-    return KV(*(jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x + zero.astype(x.dtype), 1, 2).astype(c.dtype), row, axis=2)
-                for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE))))
+    k, v = (jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x + zero.astype(x.dtype), 1, 2).astype(c.dtype), row, axis=2)
+            for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE)))
+    ksum = kv.ksum
+    if ksum is not None:
+        # the block's rows (this one just written), summed as the full forward sums a block
+        start = pos // block_size * block_size
+        sum_BK1E = jnp.sum(jax.lax.dynamic_slice_in_dim(k, start, block_size, axis=2).astype(jnp.float32), axis=2, keepdims=True)
+        done = (pos + 1) % block_size == 0
+        old_BK1E = jax.lax.dynamic_slice_in_dim(ksum, pos // block_size, 1, axis=2)
+        ksum = jax.lax.dynamic_update_slice_in_dim(ksum, jnp.where(done, sum_BK1E, old_BK1E), pos // block_size, axis=2)
+    return KV(k, v, ksum)
 
 
 def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
-    """The cache after a prompt of P tokens: its last min(P, R) positions in rows p % R."""
+    """The cache after a prompt of P tokens: its last min(P, R) positions in rows p % R (and the
+    sums of the prompt's completed blocks)."""
     b, p, kh, e = k_BPKE.shape
     keep = min(p, plan.rows)
     rows = np.arange(p - keep, p) % plan.rows
-    return KV(*(jnp.zeros((b, kh, plan.rows, e), x.dtype).at[:, :, rows].set(jnp.swapaxes(x[:, p - keep :], 1, 2)) for x in (k_BPKE, v_BPKE)))
+    k, v = (jnp.zeros((b, kh, plan.rows, e), x.dtype).at[:, :, rows].set(jnp.swapaxes(x[:, p - keep :], 1, 2)) for x in (k_BPKE, v_BPKE))
+    ksum = None
+    if plan.kind == "blocks":
+        done = p // plan.block_size
+        sums_BKNE = jnp.sum(jnp.swapaxes(k[:, :, : done * plan.block_size], 1, 2).reshape(b, done, plan.block_size, kh, e).astype(jnp.float32), axis=2)
+        ksum = jnp.zeros((b, kh, num_block_sums(plan), e), jnp.float32).at[:, :, :done].set(jnp.swapaxes(sums_BKNE, 1, 2))
+    return KV(k, v, ksum)
 
 
 def cache_bytes(cache: Cache) -> int:

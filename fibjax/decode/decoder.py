@@ -66,7 +66,7 @@ class Decoder:
         for block, plan, kv in zip(model.blocks, self.plans, cache):
             q, k, v = block.attn.qkv(block.attn_norm(x_B1D), positions_B1)
             out_B1HE = attend_token(plan, block.attn, q, k, v, kv, pos)
-            new_cache.append(cache_lib.write_token(kv, k, v, pos, after=out_B1HE))
+            new_cache.append(cache_lib.write_token(kv, k, v, pos, after=out_B1HE, block_size=plan.block_size))
             x_B1D = x_B1D + block.attn.o_proj(out_B1HE.reshape(b, 1, -1))
             x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
         logits_BV = model.logits(x_B1D)[:, 0]
