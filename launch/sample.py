@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", action="store_true", help="always the most likely token (same as --temperature 0)")
     parser.add_argument("--max-context", type=int, default=None,
                         help="most tokens in all (prompt + new); default: the training length for dense models, none for offset models")
+    parser.add_argument("--inference-mode", choices=["full", "sparse"], default=None,
+                        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
+    parser.add_argument("--block-size", type=int, default=None, help="sparse budget: block size")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-document token")
     args = parser.parse_args(argv)
 
@@ -43,7 +47,13 @@ def main(argv: list[str] | None = None) -> int:
         text = args.prompt if args.prompt is not None else _read(args.prompt_file)
         run_lib.check_prompt_text(text)  # before loading anything
         sampler = Sampler(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k, top_p=args.top_p)
-        run = run_lib.load(args.workdir, args.step)
+        overrides = None
+        if args.inference_mode or args.num_blocks or args.block_size:
+            from fibjax.eval.runner import inference_overrides
+            from fibjax.train.checkpoint import load_run_config
+
+            overrides = inference_overrides(load_run_config(args.workdir), args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size)
+        run = run_lib.load(args.workdir, args.step, overrides)
         limit = run_lib.context_limit(run.cfg, args.max_context)
         ids = run_lib.encode_prompt(run.tokenizer, text, args.max_new_tokens, limit)
         decoder = Decoder(run.model, max_len=len(ids) + args.max_new_tokens)

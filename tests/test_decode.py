@@ -204,6 +204,20 @@ def test_sample_streams_a_continuation(run_dir, capsys, tmp_path):
     assert rc == 0 and out.startswith("The for statement") and len(out) > len("The for statement") and "step 2" in err
 
 
+def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
+    """A dense run sampled with --inference-mode sparse: MoBA blocks of the given budget, decoded with block sums."""
+    dense = variant(run_dir, tmp_path, lambda c: c["model"]["attention"].update(kind="dense"))
+    rc, out, err = cli(capsys, "--workdir", dense, "--prompt", "The for statement", "--max-new-tokens", 20, "--greedy",
+                       "--inference-mode", "sparse", "--num-blocks", 2, "--block-size", 4)
+    assert rc == 0 and out.startswith("The for statement"), err
+    loaded = run_lib.load(dense, attention_overrides=["kind=block_sparse", "num_blocks=2", "block_size=4"])
+    assert loaded.model.cfg.attention.kind == "block_sparse" and loaded.model.cfg.attention.num_blocks == 2
+    tokens = jnp.asarray([loaded.tokenizer.encode("def f(x):\n    return x * 2\n" * 4)[:40]])
+    cached, full, decoder = cached_and_full(loaded.model, tokens, 9)
+    assert decoder.plans[0].kind == "blocks"
+    np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
+
+
 def test_trained_run_decodes_like_its_full_forward_past_the_training_length(run_dir):
     """Trained at 32 tokens; a 20-token prompt and 60 new tokens run to 80."""
     loaded = run_lib.load(run_dir)

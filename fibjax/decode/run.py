@@ -12,6 +12,7 @@ length, and its cache grows with every token); an offset model has no limit but 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +39,12 @@ def tokenizer_path(cfg: TrainConfig, workdir: Path) -> Path:
     return (Path(cfg.data.path) if cfg.data.path else Path(workdir) / "data") / TOKENIZER_FILE
 
 
-def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
-    """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer."""
-    from fibjax.eval.runner import load_run, run_tokenizer
+def load(workdir: str | Path, step: int | None = None, attention_overrides: list[str] | None = None) -> SamplingRun:
+    """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer; with
+    ``attention_overrides`` (key=value, e.g. from ``--inference-mode sparse``) its weights under
+    that attention."""
+    from fibjax.config import apply_overrides
+    from fibjax.eval.runner import load_run, run_tokenizer, with_attention
     from fibjax.model import graphdef_of
     from fibjax.train.checkpoint import load_run_config
 
@@ -54,8 +58,11 @@ def load(workdir: str | Path, step: int | None = None) -> SamplingRun:
                           "checkpoints were trained with; restore it, or the data directory named by data.path)")
     run = load_run(workdir, step)  # checks the tokenizer against the one the run trained with
     tokenizer = run_tokenizer(run)
-    graphdef = graphdef_of(cfg.model)
-    return SamplingRun(cfg, run.step, nnx.merge(graphdef, run.params), tokenizer)
+    params, model_cfg = run.params, cfg.model
+    if attention_overrides:
+        params, model_cfg = with_attention(run, apply_overrides(cfg.model.attention, attention_overrides))
+        cfg = dataclasses.replace(cfg, model=model_cfg)
+    return SamplingRun(cfg, run.step, nnx.merge(graphdef_of(model_cfg), params), tokenizer)
 
 
 def context_limit(cfg: TrainConfig, max_context: int | None = None) -> int | None:
