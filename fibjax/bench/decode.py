@@ -1,11 +1,15 @@
 """``python -m launch.bench decode``: per-token latency and KV-cache memory against the context.
 
-Two models of the same size that differ only in attention: sparse (Fibonacci, staggered alpha,
-window 12 by default) and dense. For each context n a decoder is built with capacity n, its
+Three models of the same size that differ only in attention: sparse (Fibonacci, staggered alpha,
+window 12 by default), moba (block-sparse: 16 blocks of 16 keys, paper B's receptive field 256;
+SSA's sparse inference) and dense. For each context n a decoder is built with capacity n, its
 cache filled with random keys and values (their values do not change the work), and ``steps``
 tokens are timed one by one at positions n - steps .. n - 1 (each step synchronised); the
-median and the fastest step are reported. Cache MiB is the size of every layer's K and V buffers: ring buffers of
-(largest distance + 1) rows for the sparse model, n rows per layer for the dense one.
+median and the fastest step are reported. Cache MiB is the size of every layer's buffers: ring
+buffers of (largest distance + 1) rows for the sparse model, n rows per layer for dense and
+moba (plus moba's block key sums). "read" is what one token's attention reads from the cache,
+all layers: every row for dense; the block sums and the S x B selected rows for moba; the
+attended rows for the sparse model.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from fibjax.decode import Decoder, cache_bytes
 from fibjax.decode.cache import KV
 from fibjax.model import Transformer, count_params
 
-KINDS = ("sparse", "dense")
+KINDS = ("sparse", "moba", "dense")
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,14 @@ class Spec:
     num_kv_heads: int = 2
     vocab_size: int = 32768
     window: int = 12
+    block_size: int = 16
+    num_blocks: int = 16
     dtype: str = "float32"
 
     def model_config(self, kind: str) -> ModelConfig:
-        sparse = AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window)
-        attention = sparse if kind == "sparse" else AttentionConfig(kind="dense")
+        attention = {"sparse": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
+                     "moba": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
+                     "dense": AttentionConfig(kind="dense")}[kind]
         return ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers, num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, dtype=self.dtype, attention=attention)
 
@@ -48,13 +55,29 @@ class Row:
     ms: float  # median time of one step (one new token)
     best_ms: float  # the fastest step (the least disturbed by other load)
     cache_mib: float
+    read_mib: float  # cache bytes one token's attention reads, all layers
     rows: list[int]  # cache rows per layer
 
 
 def random_cache(decoder: Decoder, key) -> tuple[KV, ...]:
     cache = decoder.init_cache(1)
-    keys = jax.random.split(key, 2 * len(cache))
-    return tuple(KV(*(jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys[2 * i : 2 * i + 2], kv))) for i, kv in enumerate(cache))
+    leaves, tree = jax.tree.flatten(cache)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)])
+
+
+def read_bytes(decoder: Decoder, cache) -> int:
+    """Cache bytes one token's attention reads (keys and values; block sums for moba)."""
+    total = 0
+    for plan, kv in zip(decoder.plans, cache):
+        row = kv.k.shape[1] * kv.k.shape[3] * kv.k.dtype.itemsize * 2  # one position's K and V, all KV heads
+        if plan.kind == "full":
+            total += plan.rows * row
+        elif plan.kind == "blocks":
+            total += kv.ksum.nbytes + (plan.top + 1) * plan.block_size * row
+        else:
+            total += (len(plan.distances) + 2 * len(plan.slots)) * row
+    return total
 
 
 def measure(model: Transformer, context: int, steps: int) -> Row:
@@ -69,7 +92,7 @@ def measure(model: Transformer, context: int, steps: int) -> Row:
         cache, _, token = decoder.step(cache, token, pos)
         jax.block_until_ready(token)
         times.append((time.perf_counter() - start) * 1e3)
-    return Row(statistics.median(times), min(times), size / 2**20, [p.rows for p in decoder.plans])
+    return Row(statistics.median(times), min(times), size / 2**20, read_bytes(decoder, cache) / 2**20, [p.rows for p in decoder.plans])
 
 
 def run(spec: Spec, contexts: list[int], steps: int, progress=None) -> tuple[dict[tuple[str, int], Row], dict[str, int]]:
@@ -86,10 +109,15 @@ def run(spec: Spec, contexts: list[int], steps: int, progress=None) -> tuple[dic
 
 
 def table(results: dict[tuple[str, int], Row], contexts: list[int]) -> str:
-    lines = ["| context | sparse ms/token (best) | dense ms/token (best) | dense / sparse | sparse cache MiB | dense cache MiB | sparse rows per layer |",
-             "|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| context | sparse ms/token (best) | moba ms/token (best) | dense ms/token (best) | dense / sparse | dense / moba "
+             "| read MiB/token sparse / moba / dense | cache MiB sparse / moba / dense |",
+             "|---:|---:|---:|---:|---:|---:|---|---|"]
     for n in contexts:
-        s, d = results[("sparse", n)], results[("dense", n)]
-        lines.append(f"| {n} | {s.ms:.2f} ({s.best_ms:.2f}) | {d.ms:.2f} ({d.best_ms:.2f}) | {d.ms / s.ms:.1f}x "
-                     f"| {s.cache_mib:.1f} | {d.cache_mib:.1f} | {' '.join(map(str, s.rows))} |")
+        s, m, d = (results[(k, n)] for k in KINDS)
+        times = " | ".join(f"{r.ms:.2f} ({r.best_ms:.2f})" for r in (s, m, d))
+        lines.append(f"| {n} | {times} | {d.ms / s.ms:.1f}x | {d.ms / m.ms:.1f}x | {s.read_mib:.2f} / {m.read_mib:.2f} / {d.read_mib:.2f} "
+                     f"| {s.cache_mib:.1f} / {m.cache_mib:.1f} / {d.cache_mib:.1f} |")
+    crossover = next((n for n in contexts if results[("moba", n)].ms < results[("dense", n)].ms), None)
+    lines.append("")
+    lines.append(f"moba is faster than dense from context {crossover} on" if crossover else "moba was not faster than dense at any context measured")
     return "\n".join(lines)
