@@ -82,6 +82,23 @@ def test_new_distances_count_what_training_never_attended():
     assert runner.new_distances(learned, [1.0], 256, 1024) == [0]
 
 
+def test_an_eight_device_mesh_gives_the_nll_of_one_device(runs):
+    """Evaluation data-parallel over windows on 8 simulated devices (4 data x 2 fsdp) = 1 device."""
+    from fibjax.config import MeshConfig
+    from fibjax.eval.perplexity import evaluate_lengths
+    from fibjax.train.sharding import make_mesh
+
+    run = runner.load_run(runs["fib"])
+    stream = runner.dataset_streams(run, None)["python_docs"]
+    one = evaluate_lengths(run.cfg.model, run.params, stream, [32, 64], max_tokens=1024, rows_tokens=96)
+    mesh = make_mesh(MeshConfig(data=4, fsdp=2, tensor=1), jax.devices()[:8])
+    eight = evaluate_lengths(run.cfg.model, run.params, stream, [32, 64], max_tokens=1024, rows_tokens=96, mesh=mesh)
+    for a, b in zip(one, eight):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(b.nll, a.nll, rtol=1e-6)
+        np.testing.assert_allclose(b.bin_nll, a.bin_nll, rtol=1e-6)
+
+
 def test_report_is_written_with_alphas(runs):
     report, path = runner.evaluate_workdir(runs["fib"])
     saved = json.loads(path.read_text())

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from fibjax.attention.sharded import BATCH_AXES
 from fibjax.config import ModelConfig
 from fibjax.model import graphdef_of
 
@@ -67,27 +69,34 @@ def windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
     return x[starts + np.arange(length + 1)[None, :]]
 
 
-def evaluate_lengths(model_cfg: ModelConfig, params, stream: np.ndarray, lengths: list[int], *, max_tokens: int, rows_tokens: int) -> list[LengthResult]:
-    """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory)."""
+def evaluate_lengths(model_cfg: ModelConfig, params, stream: np.ndarray, lengths: list[int], *, max_tokens: int, rows_tokens: int,
+                     mesh: jax.sharding.Mesh | None = None) -> list[LengthResult]:
+    """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory). With a
+    ``mesh``, the windows of a batch are split over its data and fsdp axes (data parallel, the
+    parameters replicated), so a pod's checkpoint evaluates on the pod."""
     nll_fn = token_nll_fn(model_cfg)
     n = scored_tokens(len(stream), lengths, max_tokens)
+    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
+    if mesh is not None:
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     results = []
     for length in lengths:
         tokens = windows(stream, n, length)
-        rows = max(1, rows_tokens // length)
-        nll = np.concatenate([_padded_call(nll_fn, params, tokens[i : i + rows], rows) for i in range(0, len(tokens), rows)])
+        rows = -(-max(1, rows_tokens // length) // shards) * shards  # a whole number of rows per shard
+        nll = np.concatenate([_padded_call(nll_fn, params, tokens[i : i + rows], rows, mesh) for i in range(0, len(tokens), rows)])
         bins = [float(b.mean()) for b in np.array_split(nll, NUM_BINS, axis=1)]
         mean = float(nll.mean())
         results.append(LengthResult(length, int(nll.size), mean, math.exp(mean), bins))
     return results
 
 
-def _padded_call(fn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
+def _padded_call(fn, params, tokens: np.ndarray, rows: int, mesh=None) -> np.ndarray:
     """Call with a fixed batch of ``rows`` (one compile per length), dropping padded rows."""
     real = len(tokens)
     if real < rows:
         tokens = np.concatenate([tokens, np.zeros((rows - real, tokens.shape[1]), tokens.dtype)])
-    return np.asarray(fn(params, jnp.asarray(tokens)))[:real]
+    batch = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+    return np.asarray(fn(params, batch))[:real]
 
 
 @functools.lru_cache(maxsize=16)
