@@ -1,7 +1,11 @@
 """Train a model: ``python -m launch.train [--config configs/X.py] [--workdir DIR] [key=value ...]``.
 
 With no arguments it trains the tiny default model (configs/tiny.py) on the embedded corpus
-and leaves checkpoints and metrics in runs/tiny. Running the same command again resumes.
+and leaves checkpoints and metrics in runs/tiny. Running the same command again resumes (and
+does nothing for a finished run). ``steps=N`` may change on resume, to extend a run: a warning
+then says that the learning-rate schedule changes from the saved step on; ``steps`` below the
+saved step is refused. ``--resume-step S`` continues from an earlier checkpoint S (e.g. when
+the latest is damaged); the later steps are moved to RUN/checkpoints.set_aside/, not deleted.
 
 Several processes (one per host or GPU) run the same command; ``--coordinator host:port
 --num-processes N --process-id I`` say how they find each other where no scheduler does (SLURM
@@ -29,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Python config file with get_config() (default: configs/tiny.py)")
     parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="S",
+                        help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)")
     parser.add_argument("--coordinator", help="host:port of process 0, for multi-process runs without SLURM or a TPU pod (sets FIBJAX_COORDINATOR)")
     parser.add_argument("--num-processes", type=int, help="number of processes in the job (sets FIBJAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, help="this process's index in [0, num-processes) (sets FIBJAX_PROCESS_ID)")
@@ -44,18 +50,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from fibjax.config import ConfigError, apply_overrides, load_config_file
     from fibjax.data import DataError
+    from fibjax.data.token_files import free_space
     from fibjax.distributed import DistributedError
     from fibjax.train.checkpoint import CheckpointError
     from fibjax.train.loop import NonFiniteLoss, train
+    from fibjax.train.metrics import MetricsError
 
     try:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
-        result = train(cfg, workdir, progress=not args.no_progress)
-    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, FileNotFoundError) as e:
+        result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
+    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
+    except OSError as e:  # a full or read-only disk under the metrics, the events or the config
+        free = f" ({free_space(e.filename)} free there)" if e.filename else ""
+        print(f"error: could not write {e.filename or 'the run directory'}: {e.strerror or e}{free}; "
+              "the checkpoints already saved are untouched: fix that and run the same command to resume", file=sys.stderr)
+        return 2
+    eval_file = workdir / "eval" / f"{result.final_step}.json"
+    if result.already_done and (eval_file.exists() or not cfg.eval.at_end or jax.process_count() > 1):
+        where = f"its evaluation table: {eval_file}" if eval_file.exists() else f"evaluate it with: python -m launch.eval --workdir {workdir}"
+        print(f"nothing to do: {workdir} is complete at step {result.final_step}; {where}")
+        return 0
+    if result.already_done:
+        print(f"{workdir} is complete at step {result.final_step} but has no {eval_file} yet: evaluating it")
+    elif jax.process_index() == 0:  # one line per job, not per process
+        print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
     if result.preempted:
         return EXIT_STOPPED
     # The evaluation is a single-process program (one device, its own checkpoint restore, one
@@ -69,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             report, path = runner.evaluate_workdir(workdir)
+        except runner.ReportNotWritten as e:  # the numbers are right: show them, then say where they could not go
+            print(runner.format_table(e.report))
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         except (EvalError, DataError, CheckpointError) as e:  # training succeeded; say why its evaluation could not run
-            print(f"error: the end-of-run evaluation failed: {e}\nThe run itself is complete in {workdir}.", file=sys.stderr)
+            print(f"error: the end-of-run evaluation failed: {e} The run itself is complete in {workdir}.", file=sys.stderr)
             return 2
         print(runner.format_table(report))
         print(f"written: {path}")

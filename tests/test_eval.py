@@ -82,6 +82,26 @@ def test_new_distances_count_what_training_never_attended():
     assert runner.new_distances(learned, [1.0], 256, 1024) == [0]
 
 
+def test_a_learned_run_evaluates_frozen_with_the_numbers_of_its_traced_alphas(runs):
+    """Evaluation compiles a learned run's final alphas as constants; the NLL is the traced path's."""
+    from fibjax.config import AttentionConfig
+    from fibjax.eval.perplexity import evaluate_lengths
+
+    run = runner.load_run(runs["fib"])
+    learned = AttentionConfig(kind="offset", window=3, alpha="staggered", learn_alpha=True)
+    params, cfg = runner.with_attention(run, learned)
+    stream = runner.dataset_streams(run, None)["python_docs"]
+    traced = evaluate_lengths(cfg, params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
+    frozen_params, frozen_cfg = runner.frozen_alphas(params, cfg, runner.layer_alphas(params, cfg))
+    assert frozen_cfg.attention.interpolate and not frozen_cfg.attention.is_learned and "theta" not in frozen_params["blocks"][0]["attn"]
+    frozen = evaluate_lengths(frozen_cfg, frozen_params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
+    for a, b in zip(traced, frozen):
+        np.testing.assert_allclose(b.nll, a.nll, rtol=1e-5)
+    report = runner.evaluate_run(run, lengths=[32, 64], datasets={"docs": stream}, max_tokens=1024, attention=learned)
+    assert report["attention"]["learn_alpha"] and report["alpha_init"] is not None  # the report describes the learned run
+    np.testing.assert_allclose([r["nll"] for r in report["datasets"]["docs"]], [a.nll for a in traced], rtol=1e-5)
+
+
 def test_an_eight_device_mesh_gives_the_nll_of_one_device(runs):
     """Evaluation data-parallel over windows on 8 simulated devices (4 data x 2 fsdp) = 1 device."""
     from fibjax.config import MeshConfig

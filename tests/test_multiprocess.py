@@ -147,7 +147,7 @@ def test_two_processes_survive_a_kill_resume_and_match_one_process(tmp_path, dat
         os.kill(victim, signal.SIGTERM)
         rc = job.wait(60)
         out = job.output()
-    assert rc == 0, out[-3000:]
+    assert rc == 3, out[-3000:]  # stopped before the last step: not done, so a scheduler requeues it
     stops = [line for line in out.splitlines() if line.startswith("stopped by a signal at step")]
     assert len(stops) == 2 and stops[0] == stops[1], out[-3000:]
     final = int(stops[0].split("at step ")[1].split(":")[0])

@@ -57,19 +57,23 @@ def test_exact_resume_after_sigkill(tmp_path, data_dir):
     assert straight[-1][1] < straight[0][1]
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path, data_dir):
-    proc = train_cmd(tmp_path / "run", data_dir, "steps=100000", "checkpoint.every_steps=100000", wait=False)
+def test_sigterm_saves_and_exits_3_then_resumes_to_the_end(tmp_path, data_dir):
+    """Stopped by SIGTERM before its last step, a run saves and exits 3 (not done: a scheduler
+    requeues it; 0 would read as finished); the same command then trains to the last step."""
+    steps = 300
+    proc = train_cmd(tmp_path / "run", data_dir, f"steps={steps}", "checkpoint.every_steps=100000", wait=False)
     deadline = time.time() + 120
     while time.time() < deadline and len(read_metrics(tmp_path / "run")) < 3:
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 3, out
     assert "stopped by a signal" in out
     saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] >= 3
-    rc, out = train_cmd(tmp_path / "run", data_dir, f"steps={saved[-1] + 2}", "checkpoint.every_steps=100000")
-    assert rc == 0 and f"from step {saved[-1]}" in out, out
+    assert saved and 3 <= saved[-1] < steps
+    rc, out = train_cmd(tmp_path / "run", data_dir, f"steps={steps}", "checkpoint.every_steps=100000")
+    assert rc == 0 and f"from step {saved[-1]}" in out and f"finished at step {steps}" in out, out
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, steps + 1))
 
 
 def test_bad_inputs_are_clear_errors_and_overwrite_nothing(tmp_path, data_dir):

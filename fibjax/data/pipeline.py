@@ -22,7 +22,7 @@ import grain
 import numpy as np
 
 from fibjax.data.sources import DataError
-from fibjax.data.token_files import load_meta, validation_sources, validation_tokens
+from fibjax.data.token_files import check_token_ids, load_meta, validation_sources, validation_tokens
 
 __all__ = ["load_meta", "mixture_weights", "train_iterator", "validation_sources", "validation_tokens"]
 
@@ -101,6 +101,7 @@ def train_iterator(
         if tokens < window:
             raise DataError(f"source {name!r} has {tokens} train tokens, fewer than seq_len + 1 = {window}; "
                             "use a shorter seq_len or more data")
+        check_token_ids(data_dir / meta["sources"][name]["train"]["file"], np.dtype(meta["dtype"]), meta["tokenizer"]["vocab_size"])
     local = global_batch // process_count
     sampler = _WindowSampler(data_dir, meta, probs, window, seed, range(process_index * local, (process_index + 1) * local))
     steps = grain.MapDataset.range(sys.maxsize).map(sampler)

@@ -4,7 +4,8 @@ Idempotent: the inputs (file paths, sizes and mtimes; dataset specs; options; a 
 tokenizer's hash) are fingerprinted, and a directory whose meta.json carries the same
 fingerprint is left as it is. A directory prepared from other inputs is refused unless
 ``overwrite``. meta.json is removed first and written last, so a run that dies half-way never
-leaves a directory that looks complete.
+leaves a directory that looks complete; a full disk ends it with one DataError naming the
+directory and its free space.
 
 Validation: a source's ``val`` inputs when given; otherwise a deterministic ``val_fraction`` of
 its documents, chosen by content hash (:func:`fibjax.data.sources.is_held_out`).
@@ -14,6 +15,8 @@ split once it holds at least that many tokens (the last document is kept whole).
 
 from __future__ import annotations
 
+import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -31,6 +34,7 @@ from fibjax.data.token_files import (
     FORMAT_VERSION,
     META_FILE,
     TOKENIZER_FILE,
+    free_space,
     load_meta,
     read_meta_file,
     split_file,
@@ -49,6 +53,24 @@ EMBEDDED_VAL_FRACTION = 0.1
 _ENCODE_BATCH_DOCS = 256
 
 
+def _full_disk_is_a_data_error(prepare_fn):
+    """OSError(ENOSPC) from anywhere in ``prepare`` (a token file, the tokenizer, meta.json) as one
+    DataError naming the directory and its free space, instead of a traceback."""
+
+    @functools.wraps(prepare_fn)
+    def wrapper(out_dir, *args, **kwargs):
+        try:
+            return prepare_fn(out_dir, *args, **kwargs)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise DataError(f"no space left on the device while writing {e.filename or out_dir} ({free_space(out_dir)} free there); "
+                            f"{out_dir} is left unfinished (it has no {META_FILE}): free some space and run the same command again") from None
+
+    return wrapper
+
+
+@_full_disk_is_a_data_error
 def prepare(
     out_dir: str | os.PathLike,
     sources: dict[str, str],
@@ -62,12 +84,14 @@ def prepare(
     tokenizer_chars: int = DEFAULT_TOKENIZER_CHARS,
     overwrite: bool = False,
     progress: bool = True,
+    redo: str | None = None,
 ) -> dict:
     """Prepare ``out_dir`` from ``sources`` ({name: spec}, see :mod:`fibjax.data.sources`).
 
     ``val`` maps names to validation specs; a name that is not a training source becomes a
     validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` reuses a
-    ``.model`` instead of training one of ``vocab_size`` pieces. Returns the meta dict."""
+    ``.model`` instead of training one of ``vocab_size`` pieces. ``redo`` says how to prepare
+    damaged data again where ``--overwrite`` is not the caller's flag. Returns the meta dict."""
     out_dir, val = Path(out_dir), dict(val or {})
     _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction)
     given = Tokenizer.load(tokenizer) if tokenizer else None
@@ -89,10 +113,10 @@ def prepare(
                 return load_meta(out_dir)
             except DataError as e:
                 if not overwrite:
-                    raise DataError(f"{e}; pass --overwrite to prepare it again") from None
+                    raise DataError(f"{e}; {redo or 'pass --overwrite'} to prepare it again") from None
         elif not overwrite:
-            raise DataError(f"{str(out_dir)!r} already holds data prepared from other inputs or options; "
-                            "choose another output directory or pass --overwrite")
+            fix = f"{redo} to prepare it again" if redo else "choose another output directory or pass --overwrite"
+            raise DataError(f"{str(out_dir)!r} already holds data prepared from other inputs or options; {fix}")
         (out_dir / META_FILE).unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -139,8 +163,8 @@ def prepare(
 def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progress: bool = False) -> dict:
     """Prepare the embedded corpus (Python's reference manual topics) into ``out_dir``; a
     no-op when it is already there. Offline: the text ships with Python."""
-    return prepare(out_dir, {EMBEDDED_NAME: EMBEDDED_SPEC}, vocab_size=vocab_size,
-                   val_fraction=EMBEDDED_VAL_FRACTION, progress=progress)
+    return prepare(out_dir, {EMBEDDED_NAME: EMBEDDED_SPEC}, vocab_size=vocab_size, val_fraction=EMBEDDED_VAL_FRACTION,
+                   progress=progress, redo=f"delete {out_dir} (a copy of the embedded corpus) and run the same command again")
 
 
 def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction) -> None:
@@ -197,7 +221,7 @@ class _TokenFile:
         pieces = [p for ids in docs for p in (np.asarray(ids, self.dtype), self.eos)]
         if pieces:
             block = np.concatenate(pieces)
-            block.tofile(self.file)
+            self.file.write(block)  # not block.tofile: its OSError carries no errno, so a full disk would not be recognised
             self.tokens += block.size
             self.documents += len(pieces) // 2
 
@@ -250,7 +274,12 @@ def _write_stream(name: str, spec: str, docs: Iterator[str], *, out_dir: Path, d
             why = (f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)"
                    if kind == "val" and holdout else "")
             raise DataError(f"source {name!r} ({spec}) produced no {kind} document{why}")
-    entry = {kind: f.finish(spec) for kind, f in files.items()}
+    try:
+        entry = {kind: f.finish(spec) for kind, f in files.items()}
+    except OSError:  # a full disk can surface only when the last buffer is flushed
+        for f in files.values():
+            f.abandon()
+        raise
     if holdout is not None:
         entry["val"]["from"] = f"holdout {holdout}"
     return entry

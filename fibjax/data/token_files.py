@@ -8,7 +8,8 @@ Layout written by :mod:`fibjax.data.prepare`::
     DIR/meta.json               counts, dtype, tokenizer sha256, inputs, fingerprint
 
 Files are raw little-endian uint16 (vocab <= 65536) or uint32, read back as memmaps. Reading
-checks what a reader can check cheaply: the tokenizer's hash and every file's exact size.
+checks what a reader can check cheaply: the tokenizer's hash, every file's exact size, and
+(when a file is opened for training or evaluation) that every token id is in the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +51,23 @@ def write_json_atomically(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """Free space on the filesystem holding ``path`` (or its nearest existing parent), for
+    the error message of a failed write."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return human_bytes(shutil.disk_usage(path).free)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def read_meta_file(data_dir: Path) -> dict | None:
@@ -112,7 +131,29 @@ def open_tokens(data_dir: str | os.PathLike, meta: dict, name: str, split: str) 
     if split not in sources[name]:
         have = [s for s in SPLITS if s in sources[name]]
         raise DataError(f"source {name!r} in {str(data_dir)!r} has no {split} split (it has {have})")
-    return np.memmap(Path(data_dir) / sources[name][split]["file"], dtype=np.dtype(meta["dtype"]), mode="r")
+    path = Path(data_dir) / sources[name][split]["file"]
+    check_token_ids(path, np.dtype(meta["dtype"]), meta["tokenizer"]["vocab_size"])
+    return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+
+
+_CHECKED_IDS: set[tuple[str, int, int]] = set()
+
+
+def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int) -> None:
+    """Every token id in ``path`` is below ``vocab_size``.
+
+    Bytes changed on disk keep a file's size, so the size check passes, but an id past the
+    vocabulary makes the embedding lookup NaN. A vectorised max over the memmap (about 7 G
+    tokens/s from the page cache), done once per file and process."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _CHECKED_IDS or stat.st_size == 0:
+        return
+    top = int(np.memmap(path, dtype=dtype, mode="r").max())
+    if top >= vocab_size:
+        raise DataError(f"token file {path} is corrupt: it holds token id {top}, but the tokenizer has {vocab_size} pieces "
+                        "(bytes changed on disk?); prepare the data again")
+    _CHECKED_IDS.add(key)
 
 
 def validation_tokens(data_dir: str | os.PathLike, name: str) -> np.memmap:

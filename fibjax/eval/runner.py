@@ -2,13 +2,17 @@
 
 A run directory holds ``config.json`` (the resolved TrainConfig) and ``checkpoints/``; its
 tokenizer is the one in the run's data directory. Evaluation data must have been tokenized
-with that tokenizer (checked by hash).
+with that tokenizer (checked by hash). A non-finite NLL is an error, never a result: nothing is
+written, and a report file is replaced atomically, so a good one is never lost to a bad one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +21,12 @@ import numpy as np
 
 from fibjax import data as data_lib
 from fibjax.attention import offsets
-from fibjax.config import AttentionConfig, TrainConfig
+from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.model import theta_to_alpha
-from fibjax.train.checkpoint import Checkpointer, load_run_config, pinned_tokenizer
+from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, load_run_config, pinned_tokenizer
 from fibjax.train.loop import resolve_data_dir
 
 
@@ -33,6 +37,16 @@ class LoadedRun:
     params: dict
     data_dir: Path
     tokenizer_sha256: str
+    workdir: Path
+
+
+class ReportNotWritten(EvalError):
+    """The evaluation ran but its report file could not be written; ``report`` holds the results
+    (print them before the error)."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
 
 
 def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
@@ -47,13 +61,17 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
         chosen = steps[-1] if step_number is None else step_number
         if chosen not in steps:
             raise EvalError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
-        params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.devices()[0]))
+        try:
+            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.devices()[0]))
+        except DamagedCheckpoint as e:
+            earlier = ckpt.latest_intact_step(before=e.step)
+            raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
     finally:
         ckpt.close()
     data_dir = resolve_data_dir(cfg, workdir)
     # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
     sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
-    return LoadedRun(cfg, chosen, params, data_dir, sha)
+    return LoadedRun(cfg, chosen, params, data_dir, sha, workdir)
 
 
 def abstract_params(model_cfg, device) -> dict:
@@ -113,15 +131,20 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
 def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.ndarray], max_tokens: int, attention: AttentionConfig | None = None,
                  dropped_mass: bool = False) -> dict:
     params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
+    alphas = layer_alphas(params, model_cfg)
+    frozen_params, frozen_cfg = frozen_alphas(params, model_cfg, alphas)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
+    mesh = eval_mesh(run.cfg)
     results, masses = {}, {}
     for name, stream in datasets.items():
-        results[name] = [r.as_dict() for r in evaluate_lengths(model_cfg, params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens)]
+        rows = evaluate_lengths(frozen_cfg, frozen_params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens, mesh=mesh)
+        results[name] = [r.as_dict() for r in rows]
         if dropped_mass:
-            masses[name] = {str(n): dropped_mass_by_layer(model_cfg, params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
-    alphas = layer_alphas(params, model_cfg)
+            masses[name] = {str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens)
+                            for n in lengths}
+    check_finite(run, results)
     report = {
-        "run": run.cfg.name, "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
+        "run": run.cfg.name, "workdir": str(run.workdir), "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
         "num_layers": model_cfg.num_layers, "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
         "alphas": alphas, "alpha_init": initial_alphas(model_cfg), "datasets": results,
         "new_distances": {str(n): new_distances(model_cfg.attention, alphas, run.cfg.seq_len, n) for n in lengths},
@@ -129,6 +152,41 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
     if dropped_mass:
         report["dropped_mass"] = masses  # dataset -> length -> per layer, vs dense attention
     return report
+
+
+def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[dict, object]:
+    """A learned run as evaluation runs it: its final alphas compiled as constants (the same
+    interpolated rungs, static shifts: the static path's cost) instead of traced parameters."""
+    if not model_cfg.attention.is_learned:
+        return params, model_cfg
+    frozen = dataclasses.replace(model_cfg.attention, alpha=tuple(alphas), learn_alpha=False, interpolate=True)
+    blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != "theta"}} for i, b in params["blocks"].items()}
+    return {**params, "blocks": blocks}, dataclasses.replace(model_cfg, attention=frozen)
+
+
+def eval_mesh(cfg: TrainConfig):
+    """The run's mesh over this process's devices when there are several (data parallel over
+    windows), else None (one device)."""
+    if jax.device_count() == 1 or jax.process_count() > 1:
+        return None
+    from fibjax.config import MeshConfig
+    from fibjax.train.sharding import make_mesh
+
+    # windows are split over data x fsdp; tensor-parallel evaluation would replicate the work
+    devices = jax.local_devices()
+    try:
+        return make_mesh(dataclasses.replace(cfg.mesh, tensor=1) if cfg.mesh.tensor != -1 else MeshConfig(), devices)
+    except ConfigError:
+        return make_mesh(MeshConfig(), devices)
+
+
+def check_finite(run: LoadedRun, results: dict[str, list[dict]]) -> None:
+    """A NaN or infinite NLL is an error naming the run, step and dataset, never a result."""
+    for name, rows in results.items():
+        bad = [r for r in rows if not (math.isfinite(r["nll"]) and math.isfinite(r["ppl"]))]
+        if bad:
+            raise EvalError(f"{run.workdir} step {run.step}: the NLL on {name} at length {bad[0]['length']} is {bad[0]['nll']}, not a "
+                            "number; nothing was written. The checkpoint's parameters or the data are damaged.")
 
 
 def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int | None = None, block_size: int | None = None) -> list[str]:
@@ -148,6 +206,10 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
         out.append(f"num_blocks={num_blocks}")
     if block_size is not None:
         out.append(f"block_size={block_size}")
+    kind = apply_overrides(cfg.model.attention, out).kind
+    if (num_blocks or block_size) and kind != "block_sparse":
+        raise ConfigError(f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
+                          "(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)")
     return out
 
 
@@ -213,14 +275,29 @@ def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, len
 
 
 def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
+    """Write ``RUN/eval/<step>[-tag].json`` atomically (a temporary file, then os.replace).
+
+    Raises ReportNotWritten, carrying the report, when the directory is not writable."""
     out = Path(workdir) / "eval" / f"{report['step']}{'-' + tag if tag else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        text = json.dumps(report, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise EvalError(f"the evaluation of {workdir} step {report['step']} holds a non-finite number; {out} was not written") from None
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, out)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise ReportNotWritten(f"the evaluation of {workdir} step {report['step']} could not be written to {out}: {e.strerror or e}", report) from None
     return out
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{report['run']} step {report['step']} (trained at {report['train_seq_len']} tokens)",
+    where = f" ({report['workdir']})" if "workdir" in report else ""
+    lines = [f"{report['run']}{where} step {report['step']} (trained at {report['train_seq_len']} tokens)",
              "| dataset | length | tokens | NLL | ppl | change vs first length |", "|---|---:|---:|---:|---:|---:|"]
     for name, rows in report["datasets"].items():
         base = rows[0]["ppl"]

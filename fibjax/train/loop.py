@@ -3,7 +3,11 @@
 ``train(cfg, workdir)`` is the whole run; ``launch.train`` only parses arguments. Metrics of
 step N are read after step N+1 is dispatched (no host stall per step); a checkpoint is written
 only after the metrics of the update that produced it were checked finite, so a NaN never
-reaches disk.
+reaches disk, and a failed background save is noticed at the next step, not the next save.
+
+Every check that can refuse a run (workdir, steps, data, vocabulary, mesh) runs before the
+workdir is claimed: a refused start writes nothing, so the corrected command is not then
+refused as "a different config".
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +29,19 @@ from tqdm import tqdm
 from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
-from fibjax.data.token_files import open_tokens
+from fibjax.data import DataError
+from fibjax.data.token_files import check_token_ids, free_space, open_tokens
 from fibjax.train import sharding
-from fibjax.train.checkpoint import Checkpointer, claim_workdir, pin_tokenizer
+from fibjax.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    DamagedCheckpoint,
+    check_tokenizer_pin,
+    check_workdir,
+    claim_workdir,
+    finished_steps,
+    pin_tokenizer,
+)
 from fibjax.train.metrics import MetricsWriter
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
@@ -49,24 +64,83 @@ class RunResult:
     preempted: bool
     data_dir: Path
     losses: list[float] = field(default_factory=list)
+    already_done: bool = False  # the run had reached cfg.steps before: nothing was trained
+
+
+def data_dir_of(cfg: TrainConfig, workdir: Path) -> Path:
+    """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
+    return Path(cfg.data.path) if cfg.data.path else Path(workdir) / "data"
 
 
 def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
-    """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
-    if cfg.data.path:
-        return Path(cfg.data.path)
-    # one writer; the others wait for it (shared filesystem)
-    distributed.on_main(lambda: data_lib.prepare_default(Path(workdir) / "data", cfg.data.default_vocab_size), "preparing the default corpus")
-    return Path(workdir) / "data"
+    """``data_dir_of``, preparing the embedded corpus there on first use."""
+    if not cfg.data.path:
+        # one writer; the others wait for it (shared filesystem)
+        distributed.on_main(lambda: data_lib.prepare_default(data_dir_of(cfg, workdir), cfg.data.default_vocab_size), "preparing the default corpus")
+    return data_dir_of(cfg, workdir)
 
 
-def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> None:
-    """The data's tokenizer fits the model and is the one the run started with."""
-    tokenizer = data_lib.load_meta(data_dir)["tokenizer"]
-    distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer["sha256"]), "checking the run's tokenizer")
-    vocab = tokenizer["vocab_size"]
+def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
+    """The data is intact (sizes, token ids < vocabulary), fits the model, and has the tokenizer
+    the run started with; returns that tokenizer's sha256. Reads only."""
+    try:
+        meta = data_lib.load_meta(data_dir)
+        vocab = meta["tokenizer"]["vocab_size"]
+        for source in meta["sources"].values():
+            for split in source.values():
+                check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
+    except DataError as e:
+        if cfg.data.path:
+            raise
+        raise DataError(f"{e} ({data_dir} is the run's copy of the embedded corpus: delete it and run the same command again)") from None
+    check_tokenizer_pin(workdir, meta["tokenizer"]["sha256"])
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
+    return meta["tokenizer"]["sha256"]
+
+
+def start_step(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> int:
+    """The step to train from: ``resume_step``, else the latest checkpoint (0 for a new run).
+    ``steps`` below it is refused: it would not shorten the run, only call it finished."""
+    saved = finished_steps(workdir)
+    if resume_step is not None and resume_step not in saved:
+        raise CheckpointError(f"--resume-step {resume_step}: {workdir} has no checkpoint of that step; its steps: {saved}")
+    start = resume_step if resume_step is not None else (saved[-1] if saved else 0)
+    if start > cfg.steps:
+        raise ConfigError(f"steps: {cfg.steps} is below step {start}, which the run in {workdir} has already reached; "
+                          f"pass steps={start} or more to continue it, or use a new --workdir")
+    return start
+
+
+def warn_schedule_change(saved: TrainConfig, cfg: TrainConfig, start: int) -> None:
+    """Changing ``steps`` on resume is allowed (to extend a run), but the warm-up + cosine
+    schedule is a function of ``steps``: say so, with the learning rate before and after."""
+    old, new = float(lr_schedule(saved.optim, saved.steps)(start)), float(lr_schedule(cfg.optim, cfg.steps)(start))
+    print(f"warning: steps changed from {saved.steps} to {cfg.steps}: the learning-rate schedule (cosine decay to the last step) "
+          f"changes from step {start} on (lr {old:.3g} in the old schedule, {new:.3g} in the new)", file=sys.stderr)
+
+
+def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple[int, jax.sharding.Mesh | None]:
+    """Every check that can refuse the run, writing nothing. Returns the start step and the
+    device mesh (None when the run is already complete: nothing to build)."""
+    saved = distributed.on_main(lambda: check_workdir(workdir, cfg), f"claiming the workdir {workdir}")
+    start = start_step(cfg, workdir, resume_step)
+    if start == cfg.steps:
+        return start, None
+    if saved is not None and start and saved.steps != cfg.steps:
+        warn_schedule_change(saved, cfg, start)
+    if cfg.global_batch % jax.process_count():
+        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by the {jax.process_count()} processes")
+    mesh = sharding.make_mesh(cfg.mesh)
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.global_batch % batch_shards:
+        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
+    if cfg.data.path:
+        check_data(cfg, Path(cfg.data.path), workdir)
+    elif cfg.data.default_vocab_size > cfg.model.vocab_size:  # the embedded corpus is prepared after the claim
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the embedded corpus's vocabulary "
+                          f"(data.default_vocab_size = {cfg.data.default_vocab_size})")
+    return start, mesh
 
 
 class _Preemption:
@@ -122,27 +196,70 @@ def _batch_log():
     return (Path(os.environ[_BATCH_LOG_ENV]) / f"batches.{jax.process_index()}.jsonl").open("a", buffering=1)
 
 
-def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> RunResult:
+def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int | None):
+    """The state of checkpoint ``step``. A damaged step is an error that names the way on: the
+    latest intact earlier step, to pass as ``--resume-step``. With ``resume_step``, the steps
+    after it are set aside (moved, not deleted), so that the run continues from it."""
+    try:
+        state = ckpt.restore(step, trainer.abstract_state, data_iter)
+    except DamagedCheckpoint as e:
+        earlier = ckpt.latest_intact_step(before=e.step)
+        way = (f"To continue from step {earlier}, run the same command with --resume-step {earlier} "
+               f"(the later steps are then moved to {ckpt.set_aside_directory}, not deleted)." if earlier
+               else "No earlier checkpoint is intact: train again in a new --workdir.")
+        raise CheckpointError(f"{e} {way}") from None
+    if resume_step is not None:
+        moved = distributed.on_main(lambda: ckpt.set_aside_after(step), "setting aside the later checkpoints")
+        ckpt.reload()
+        if moved:
+            print(f"warning: resuming from step {step}: checkpoint step(s) {moved} moved to {ckpt.set_aside_directory} (delete them when "
+                  "no longer needed)", file=sys.stderr)
+    return state
+
+
+def _write_failed(e: OSError, ckpt: Checkpointer) -> CheckpointError:
+    """One error for a failed write of the metrics or events. A save in flight on the same
+    full disk has failed too, as a rule: waiting for it reports that failure instead."""
+    saved = ckpt.last_saved_step()
+    return CheckpointError(
+        f"could not write {e.filename or ckpt.directory.parent}: {e.strerror or e} ({free_space(e.filename or ckpt.directory)} free there). "
+        f"Training is stopped; the last good checkpoint ({f'step {saved}' if saved else 'none'}) is untouched. "
+        "Free some space and run the same command to resume."
+    )
+
+
+def _close_all(closers, *, failing: bool) -> None:
+    """Call every closer. While an error is on its way out, an error from closing (the same full
+    disk, the same failed save) must not replace it; otherwise the first one is raised."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except Exception as e:
+            first = first or e
+    if first is not None and not failing:
+        raise first
+
+
+def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> RunResult:
+    """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``."""
     distributed.initialize()
     workdir = Path(workdir)
+    start, mesh = preflight(cfg, workdir, resume_step)
+    if mesh is None:
+        return RunResult(final_step=start, preempted=False, data_dir=data_dir_of(cfg, workdir), already_done=True)
     distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")  # one writer of config.json
     data_dir = resolve_data_dir(cfg, workdir)
-    check_data(cfg, data_dir, workdir)
-    if cfg.global_batch % jax.process_count():
-        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by the {jax.process_count()} processes")
+    tokenizer_sha256 = check_data(cfg, data_dir, workdir)  # again for the embedded corpus, prepared just now
+    distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer_sha256), "recording the run's tokenizer")
 
-    mesh = sharding.make_mesh(cfg.mesh)
-    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.global_batch % batch_shards:
-        raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
     trainer = build(cfg, mesh)
     data_iter = data_lib.train_iterator(
         data_dir, parse_weights(cfg.data.weights), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed,
         process_index=jax.process_index(), process_count=jax.process_count(), worker_count=cfg.data.worker_count,
     )
     ckpt = Checkpointer(workdir, cfg.checkpoint)
-    start = ckpt.latest_step() or 0
-    state = ckpt.restore(start, trainer.abstract_state, data_iter) if start else trainer.init()
+    state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
     writer = MetricsWriter(workdir, resume_step=start)
     schedule = lr_schedule(cfg.optim, cfg.steps)
     fault_step = int(os.environ.get(_FAULT_ENV, "0"))
@@ -166,7 +283,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
         m = jax.device_get(metrics)
         loss, grad_norm = float(m["loss"]), float(m["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            saved = ckpt.latest_step()
+            saved = ckpt.last_saved_step()
             raise NonFiniteLoss(
                 f"loss {loss} / grad norm {grad_norm} at step {step}: the run is stopped. "
                 f"Last good checkpoint: {f'step {saved}' if saved else 'none'} in {ckpt.directory} (untouched)."
@@ -181,6 +298,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
             extra = {"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}
             bar.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
 
+    failing = True
     try:
         with _Preemption() as preemption, jax.set_mesh(mesh):
             for step in range(start, cfg.steps):
@@ -189,6 +307,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
                     batch_log.write(json.dumps({"step": step + 1, "rows": [hashlib.sha1(r.tobytes()).hexdigest()[:12] for r in local_BL]}) + "\n")
                 batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
                 state, metrics = trainer.step(state, batch)
+                ckpt.poll()  # a failed background save stops the run now, not at the next save
                 if pending:
                     flush(pending)
                 pending = (step + 1, metrics)
@@ -215,10 +334,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True) -> Ru
                         result.preempted = True
                         tqdm.write(f"stopped by a signal at step {step + 1}: checkpoint saved in {ckpt.directory}; run the same command to resume")
                         break
+        failing = False
+    except OSError as e:  # a full (or read-only) disk under the metrics or the events
+        raise _write_failed(e, ckpt) from None
     finally:
-        bar.close()
-        writer.close()
-        if batch_log:
-            batch_log.close()
-        ckpt.close()
+        _close_all([bar.close, writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=failing)
     return result
