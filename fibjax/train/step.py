@@ -26,10 +26,28 @@ from fibjax.train.optimizer import make_optimizer
 State = dict[str, Any]
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean next-token negative log-likelihood in float32."""
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
+    """Mean next-token negative log-likelihood in float32 from logits; with ``weights`` the
+    weighted mean (a probe reads its loss only where the weights are non-zero)."""
     logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets_BT[..., None], axis=-1))
+    return mean_nll(-jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0], weights_BT)
+
+
+def mean_nll(nll_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
+    """The mean of per-token NLL, or its ``weights``-weighted mean."""
+    if weights_BT is None:
+        return jnp.mean(nll_BT)
+    w_BT = weights_BT.astype(jnp.float32)
+    return jnp.sum(nll_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1e-9)
+
+
+def split_batch(batch) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """(inputs, targets, weights) of a batch: token windows [B, T+1] (the language model: predict
+    the next token everywhere), or a dict with ``inputs``, ``targets`` and ``weights``, all [B, T]
+    (a synthetic task with its own targets and loss positions, e.g. ``fibjax.probe``)."""
+    if isinstance(batch, dict):
+        return batch["inputs"], batch["targets"], batch["weights"]
+    return batch[:, :-1], batch[:, 1:], None
 
 
 @dataclass
@@ -69,28 +87,30 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
 
     sparse_stream = cfg.sparse_stream
 
-    def loss_fn(params, tokens_BT1, rng, step):
+    def loss_fn(params, batch, rng, step):
         model = nnx.merge(graphdef, params)
-        if sparse_stream is None:
-            ce = cross_entropy(model(tokens_BT1[:, :-1]), tokens_BT1[:, 1:])
+        inputs_BT, targets_BT, weights_BT = split_batch(batch)
+        if sparse_stream is None:  # the model returns per-token NLL (logits_chunk bounds the logits' memory)
+            ce = mean_nll(model(inputs_BT, targets_BT=targets_BT), weights_BT)
             return ce, {"ce": ce}
         # SSA: one stream for the whole step, drawn from the run's key and the step number,
         # so the choice is reproducible and survives a resume.
         use_sparse = jax.random.bernoulli(jax.random.fold_in(jax.random.wrap_key_data(rng), step), cfg.ssa.sparse_prob)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(tokens_BT1[:, :-1], ssa=SSAStreams(sparse_stream, use_sparse))
-        ce = cross_entropy(logits, tokens_BT1[:, 1:])
+        nll_BT, sown = nnx.capture(model, nnx.Intermediate)(inputs_BT, ssa=SSAStreams(sparse_stream, use_sparse), targets_BT=targets_BT)
+        ce = mean_nll(nll_BT, weights_BT)
         align = jnp.mean(jnp.stack(jax.tree.leaves(sown)))  # averaged over layers
         return ce + cfg.ssa.align_weight * align, {"ce": ce, "align": align, "sparse_stream": use_sparse.astype(jnp.float32)}
 
-    def step_fn(state: State, tokens_BT1: jax.Array):
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens_BT1, state["rng"], state["step"])
+    def step_fn(state: State, batch):
+        """``batch``: token windows [B, T+1], or a dict of inputs/targets/weights (``split_batch``)."""
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch, state["rng"], state["step"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "alphas": learned_alphas(params), **aux}
         return {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     def val_loss_fn(params, tokens_BT1):
-        return cross_entropy(nnx.merge(graphdef, params)(tokens_BT1[:, :-1]), tokens_BT1[:, 1:])
+        return mean_nll(nnx.merge(graphdef, params)(tokens_BT1[:, :-1], targets_BT=tokens_BT1[:, 1:]))
 
     batch_sharding = sharding.batch_sharding(mesh)
     step_jit = jax.jit(step_fn, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0)
