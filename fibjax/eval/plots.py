@@ -64,6 +64,15 @@ def _panels(n: int, *, rows: int = 1, width: float = 6.0, height: float = 4.2) -
     return fig, np.atleast_2d(fig.subplots(rows, n, squeeze=False))
 
 
+def _dataset_panels(n: int) -> tuple[Figure, np.ndarray]:
+    """One panel per dataset, at most MAX_COLUMNS a row; the unused panels of the last row hidden."""
+    cols = min(n, MAX_COLUMNS)
+    fig, axes = _panels(cols, rows=math.ceil(n / cols), width=5.5 if cols > 1 else 6.5)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
 def _legend(fig: Figure, axes) -> None:
     """One legend for the figure, under the panels, from the first panel's labelled lines."""
     handles, labels = {}, {}
@@ -96,10 +105,7 @@ def _save(fig: Figure, path: Path) -> bool:
 
 
 def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle]) -> bool:
-    cols = min(len(datasets), MAX_COLUMNS)
-    fig, axes = _panels(cols, rows=math.ceil(len(datasets) / cols), width=5.5 if cols > 1 else 6.5)
-    for ax in axes.flat[len(datasets):]:
-        ax.set_visible(False)
+    fig, axes = _dataset_panels(len(datasets))
     train_lens = {r.train_len for r in runs}
     for ax, d in zip(axes.flat, datasets):
         lengths, ppls = set(), []
@@ -292,10 +298,7 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     names = sorted({k[4:] for r in runs for m in r.metrics for k in m if k.startswith("val/")})
     if not names:
         return False
-    cols = min(len(names), MAX_COLUMNS)
-    fig, axes = _panels(cols, rows=math.ceil(len(names) / cols), width=5.5 if cols > 1 else 6.5)
-    for ax in axes.flat[len(names):]:
-        ax.set_visible(False)
+    fig, axes = _dataset_panels(len(names))
     for ax, name in zip(axes.flat, names):
         for r in runs:
             rows = [m for m in r.metrics if f"val/{name}" in m]
