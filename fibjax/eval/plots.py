@@ -73,6 +73,15 @@ def _dataset_panels(n: int) -> tuple[Figure, np.ndarray]:
     return fig, axes
 
 
+def _finish_panels(fig: Figure, axes, ylabel: str, title: str, path: Path) -> bool:
+    """The y label on each row's first panel, the title, the shared legend, and the PNG."""
+    for row in axes:
+        row[0].set_ylabel(ylabel)
+    fig.suptitle(title)
+    _legend(fig, axes)
+    return _save(fig, path)
+
+
 def _legend(fig: Figure, axes) -> None:
     """One legend for the figure, under the panels, from the first panel's labelled lines."""
     handles, labels = {}, {}
@@ -130,11 +139,7 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
         ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
         ax.set_title(d)
         ax.set_xlabel("evaluation length (tokens, log scale)")
-    for row in axes:
-        row[0].set_ylabel("perplexity (lower is better)")
-    fig.suptitle("Perplexity vs evaluation length")
-    _legend(fig, axes)
-    return _save(fig, path)
+    return _finish_panels(fig, axes, "perplexity (lower is better)", "Perplexity vs evaluation length", path)
 
 
 def _bin_ticks(runs, nbins: int) -> tuple[list[str], str]:
@@ -308,8 +313,4 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
                         linewidth=2, markersize=5, label=r.label)
         ax.set_title(name)
         ax.set_xlabel("training step")
-    for row in axes:
-        row[0].set_ylabel("validation NLL at the training length")
-    fig.suptitle("Validation loss during training")
-    _legend(fig, axes)
-    return _save(fig, path)
+    return _finish_panels(fig, axes, "validation NLL at the training length", "Validation loss during training", path)
