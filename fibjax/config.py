@@ -290,6 +290,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     ssa: SSAConfig = field(default_factory=SSAConfig)
+    # continual training: start from another run's parameters ("RUN_DIR" or "RUN_DIR:STEP";
+    # parameters only: a fresh optimizer and data position). See fibjax.train.init_from.
+    init_from: str = ""
 
     def __post_init__(self):
         _require(self.steps >= 1, "steps", "must be >= 1", self.steps)

@@ -1,14 +1,17 @@
 """Evaluate a run: ``python -m launch.eval --workdir RUN [--step S] [--lengths 1024,2048,4096]
-[--data NAME=DIR[:SOURCE] ...] [--attention key=value ...]``.
+[--data NAME=DIR[:SOURCE] ...] [--attention key=value ...] [--rope key=value ...]``.
 
 Perplexity on the same validation tokens at every length, NLL in 8 position bins, the alpha
 of every layer; writes RUN/eval/<step>.json and prints a table. ``--attention`` evaluates the
-weights under another attention (e.g. ``--attention kind=offset window=8 alpha=staggered``).
+weights under another attention (e.g. ``--attention kind=offset window=8 alpha=staggered``);
+``--rope`` under another RoPE (e.g. ``--rope scaling=yarn factor=4 original_len=256``, or
+``--rope theta=40000``), so extrapolation with and without scaling is one command each.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
@@ -34,6 +37,12 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tag(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.+=-]+", text):
+        raise argparse.ArgumentTypeError(f"a tag is part of a file name: letters, digits and _.+=- only, got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
@@ -46,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
     parser.add_argument("--num-blocks", type=_positive, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
     parser.add_argument("--block-size", type=_positive, default=None, help="sparse budget: block size")
+    parser.add_argument("--rope", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="RoPE for this evaluation: theta=, scaling=none|ntk|linear|yarn, factor=, original_len= (yarn)")
+    parser.add_argument("--tag", type=_tag, default=None, help="write RUN/eval/<step>-<tag>.json (default: a name made from the settings)")
     parser.add_argument("--dropped-mass", action="store_true", help="also report the attention mass each layer drops against dense attention")
     args = parser.parse_args(argv)
 
@@ -65,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_run_config(args.workdir)
             overrides = runner.inference_overrides(cfg, args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size) + overrides
         report, path = runner.evaluate_workdir(args.workdir, step_number=args.step, lengths=args.lengths, specs=specs,
-                                               max_tokens=args.max_tokens, attention_overrides=overrides, dropped_mass=args.dropped_mass)
+                                               max_tokens=args.max_tokens, attention_overrides=overrides, dropped_mass=args.dropped_mass,
+                                               rope=args.rope, tag=args.tag)
     except runner.ReportNotWritten as e:  # the numbers are right: show them, then say where they could not go
         print(runner.format_table(e.report))
         print(f"error: {e}", file=sys.stderr)

@@ -146,6 +146,7 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
     report = {
         "run": run.cfg.name, "workdir": str(run.workdir), "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
         "num_layers": model_cfg.num_layers, "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
+        "rope": rope_setting(model_cfg),
         "alphas": alphas, "alpha_init": initial_alphas(model_cfg), "datasets": results,
         "new_distances": {str(n): new_distances(model_cfg.attention, alphas, run.cfg.seq_len, n) for n in lengths},
     }
@@ -252,25 +253,53 @@ def layer_alphas(params: dict, model_cfg) -> list[float | None]:
     return [float(theta_to_alpha(params["blocks"][i]["attn"]["theta"])) for i in range(model_cfg.num_layers)]
 
 
+ROPE_KEYS = {"theta": "rope_theta", "scaling": "rope_scaling", "factor": "rope_factor", "original_len": "rope_original_len"}
+
+
+def rope_overrides(items: list[str]) -> list[str]:
+    """``launch.eval --rope`` words (theta=, scaling=, factor=, original_len=) as model overrides."""
+    out = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in ROPE_KEYS:
+            raise ConfigError(f"--rope {item!r}: expected key=value with key one of {sorted(ROPE_KEYS)}")
+        out.append(f"{ROPE_KEYS[key]}={value}")
+    return out
+
+
+def with_rope(run: LoadedRun, items: list[str]) -> LoadedRun:
+    """The run with its RoPE changed (theta, scaling): positions are not parameters, so the same
+    weights are evaluated under another rotation, as after a context extension."""
+    model = apply_overrides(run.cfg.model, rope_overrides(items))
+    return dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, model=model))
+
+
+def rope_setting(model_cfg) -> dict:
+    return {key: getattr(model_cfg, field) for key, field in ROPE_KEYS.items()}
+
+
 def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, lengths: list[int] | None = None,
                      specs: dict[str, str] | None = None, max_tokens: int | None = None,
-                     attention_overrides: list[str] | None = None, dropped_mass: bool = False) -> tuple[dict, Path]:
+                     attention_overrides: list[str] | None = None, dropped_mass: bool = False,
+                     rope: list[str] | None = None, tag: str | None = None) -> tuple[dict, Path]:
     """The whole evaluation of one run directory; returns the report and where it was written.
 
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
-    run's validation sources, eval.max_tokens."""
-    from fibjax.config import apply_overrides
-
+    run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
+    ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings)."""
     run = load_run(workdir, step_number)
+    if rope:
+        run = with_rope(run, rope)
     lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])
     attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
     report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens,
                           attention=attention, dropped_mass=dropped_mass)
     report["data"] = specs or {"(the run's own validation sources)": str(run.data_dir)}
     # one file per evaluation setting, so a later evaluation never replaces the end-of-training one
-    parts = [a.replace("=", "_") for a in attention_overrides or []] + sorted(f"data_{k}" for k in specs or {})
-    parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
-    tag = "-".join(p.replace("/", "_") for p in parts)
+    if tag is None:
+        parts = [a.replace("=", "_") for a in [*(attention_overrides or []), *(f"rope_{r}" for r in rope or [])]] + sorted(f"data_{k}" for k in specs or {})
+        parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
+        tag = "-".join(p.replace("/", "_") for p in parts)
     return report, write_report(workdir, report, tag)
 
 
@@ -297,7 +326,9 @@ def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
 
 def format_table(report: dict) -> str:
     where = f" ({report['workdir']})" if "workdir" in report else ""
-    lines = [f"{report['run']}{where} step {report['step']} (trained at {report['train_seq_len']} tokens)",
+    rope = report.get("rope", {})
+    scaled = f"; RoPE {rope['scaling']} x{rope['factor']:g}, theta {rope['theta']:g}" if rope.get("scaling", "none") != "none" else ""
+    lines = [f"{report['run']}{where} step {report['step']} (trained at {report['train_seq_len']} tokens{scaled})",
              "| dataset | length | tokens | NLL | ppl | change vs first length |", "|---|---:|---:|---:|---:|---:|"]
     for name, rows in report["datasets"].items():
         base = rows[0]["ppl"]

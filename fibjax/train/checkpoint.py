@@ -51,11 +51,16 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_fields(a: TrainConfig, b: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Every dotted field whose value differs: {"model.rope_theta": (10000.0, 40000.0)}."""
+    fa, fb = _flatten(to_dict(a)), _flatten(to_dict(b))
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
 def config_differences(saved: TrainConfig, current: TrainConfig) -> list[str]:
     """Fields that differ and may not change on resume, as 'field: saved -> current'."""
-    a, b = _flatten(to_dict(saved)), _flatten(to_dict(current))
     allowed = lambda key: any(key == f or key.startswith(f + ".") for f in RESUMABLE_CHANGES)  # noqa: E731
-    return [f"{k}: {a.get(k)!r} (saved) vs {b.get(k)!r} (now)" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not allowed(k)]
+    return [f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in changed_fields(saved, current).items() if not allowed(k)]
 
 
 def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:

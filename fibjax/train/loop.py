@@ -31,7 +31,7 @@ from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.data import DataError
 from fibjax.data.token_files import check_token_ids, free_space, open_tokens
-from fibjax.train import sharding
+from fibjax.train import init_from, sharding
 from fibjax.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -120,13 +120,14 @@ def warn_schedule_change(saved: TrainConfig, cfg: TrainConfig, start: int) -> No
           f"changes from step {start} on (lr {old:.3g} in the old schedule, {new:.3g} in the new)", file=sys.stderr)
 
 
-def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple[int, jax.sharding.Mesh | None]:
-    """Every check that can refuse the run, writing nothing. Returns the start step and the
-    device mesh (None when the run is already complete: nothing to build)."""
+def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple[int, jax.sharding.Mesh | None, init_from.Source | None]:
+    """Every check that can refuse the run, writing nothing. Returns the start step, the device
+    mesh (None when the run is already complete: nothing to build) and, for a new run with
+    ``init_from``, the checked source run."""
     saved = distributed.on_main(lambda: check_workdir(workdir, cfg), f"claiming the workdir {workdir}")
     start = start_step(cfg, workdir, resume_step)
     if start == cfg.steps:
-        return start, None
+        return start, None, None
     if saved is not None and start and saved.steps != cfg.steps:
         warn_schedule_change(saved, cfg, start)
     if cfg.global_batch % jax.process_count():
@@ -135,12 +136,15 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.global_batch % batch_shards:
         raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
+    source = init_from.locate(cfg) if cfg.init_from and not start else None
     if cfg.data.path:
-        check_data(cfg, Path(cfg.data.path), workdir)
+        sha = check_data(cfg, Path(cfg.data.path), workdir)
+        if source:
+            init_from.check_tokenizer(source, sha)
     elif cfg.data.default_vocab_size > cfg.model.vocab_size:  # the embedded corpus is prepared after the claim
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the embedded corpus's vocabulary "
                           f"(data.default_vocab_size = {cfg.data.default_vocab_size})")
-    return start, mesh
+    return start, mesh, source
 
 
 class _Preemption:
@@ -245,12 +249,14 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``."""
     distributed.initialize()
     workdir = Path(workdir)
-    start, mesh = preflight(cfg, workdir, resume_step)
+    start, mesh, source = preflight(cfg, workdir, resume_step)
     if mesh is None:
         return RunResult(final_step=start, preempted=False, data_dir=data_dir_of(cfg, workdir), already_done=True)
     distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")  # one writer of config.json
     data_dir = resolve_data_dir(cfg, workdir)
     tokenizer_sha256 = check_data(cfg, data_dir, workdir)  # again for the embedded corpus, prepared just now
+    if source:
+        init_from.check_tokenizer(source, tokenizer_sha256)
     distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer_sha256), "recording the run's tokenizer")
 
     trainer = build(cfg, mesh)
@@ -260,6 +266,12 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     )
     ckpt = Checkpointer(workdir, cfg.checkpoint)
     state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
+    if source:
+        state, notes = init_from.initial_state(state, source, mesh)
+        if distributed.is_main():
+            changes = init_from.check_compatible(source.cfg, cfg, str(source.workdir))
+            print(f"initialised from {source.workdir} step {source.step} (parameters only: a fresh optimizer and data position)"
+                  + "".join(f"\n  changed: {c}" for c in changes) + "".join(f"\n  parameter {n}" for n in notes))
     writer = MetricsWriter(workdir, resume_step=start)
     schedule = lr_schedule(cfg.optim, cfg.steps)
     fault_step = int(os.environ.get(_FAULT_ENV, "0"))
