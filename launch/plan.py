@@ -1,0 +1,64 @@
+"""Size a job before submitting it: ``python -m launch.plan --config CONFIG [--devices N] [key=value ...]``.
+
+Prints per-device bytes of parameters, optimizer state and the train step's working memory for
+the config on its mesh (``mesh.data=2 mesh.fsdp=4 mesh.tensor=1`` overrides, as for
+launch.train). The step is compiled here for that many simulated CPU devices (no accelerator
+needed; --no-compile skips it and prints the exact parameter and optimizer figures only).
+Example: ``python -m launch.plan --config configs/ssa/paper_ssa.py mesh.fsdp=8 mesh.data=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a Python config file with get_config()")
+    parser.add_argument("--devices", type=int, default=None, help="devices of the job (default: the mesh's product; needed when an axis is -1)")
+    parser.add_argument("--no-compile", action="store_true", help="shapes only: skip compiling the step")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.fsdp=8 global_batch=64")
+    args = parser.parse_args(argv)
+
+    from fibjax.config import ConfigError, apply_overrides, load_config_file  # no JAX yet
+
+    try:
+        cfg = apply_overrides(load_config_file(args.config), args.overrides)
+        sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
+        devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
+        if devices is None:
+            raise ConfigError(f"mesh: {sizes} has an axis of -1: pass --devices N (the job's device count) or fix every axis")
+        if devices < 1:
+            raise ConfigError(f"--devices must be >= 1, got {devices}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # simulated devices: set before JAX starts (this process plans, it never trains)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+    import jax
+
+    from fibjax.plan import format_plan, make_plan
+    from fibjax.train import sharding
+
+    if len(jax.devices()) != devices:
+        print(f"error: JAX already started with {len(jax.devices())} devices; run launch.plan in its own process", file=sys.stderr)
+        return 2
+    try:
+        mesh = sharding.make_mesh(cfg.mesh)
+        if cfg.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]):
+            raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {mesh.shape['data'] * mesh.shape['fsdp']}")
+        plan = make_plan(cfg, mesh, compile=not args.no_compile)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(cfg, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
