@@ -1,6 +1,8 @@
 """Small, obviously correct references: dense [T, T] masks and materialised rung keys.
 
 Nothing here is fast; everything here is easy to check by eye against the paper's definitions.
+Nothing here comes from the library either (rung lists and skip rules are written out again), so
+a wrong rung in the library cannot move the reference with it.
 """
 
 import math
@@ -8,8 +10,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from fibjax.attention import offsets
 
 
 def _wide(x):
@@ -40,7 +40,37 @@ def masked_attention(q, k, v, allowed_TT):
     return out, jnp.transpose(lse, (0, 2, 1))
 
 
-def learned_attention(q, k, v, *, window, base, alpha, alpha_value=None):
+def rung_list(base, t: int, max_rung: int = 0) -> list[int]:
+    """f_1..f_K by the paper: the 15 Fibonacci numbers 1, 2, 3, 5, ..., 987, every power of two
+    <= T-1 ("pow2", reach-matched at the run length T), or the given list; with ``max_rung``,
+    only the rungs <= it."""
+    if base == "fibonacci":
+        rungs = [1, 2]
+        while len(rungs) < 15:
+            rungs.append(rungs[-1] + rungs[-2])
+    elif base == "pow2":
+        rungs = [2**j for j in range(t.bit_length()) if 2**j <= t - 1]
+    else:
+        rungs = list(base)
+    return [f for f in rungs if not max_rung or f <= max_rung]
+
+
+def active_rungs(*, window: int, base, alpha: float, t: int, max_rung: int = 0) -> list[tuple[int, int]]:
+    """(f, lo) of each active rung of the learned path, by the definition (paper A, "The learned
+    path", and the reference's reading of "used" in BUILD_NOTES.md): lo = floor(alpha*f); a rung is
+    skipped if round(alpha*f) <= W, if lo > T-1, or if lo is taken: by the window {0..min(W, T-1)}
+    or by an earlier rung (first wins)."""
+    taken = set(range(min(window, t - 1) + 1))
+    active = []
+    for f in rung_list(base, t, max_rung):
+        lo = math.floor(alpha * f)
+        if round(alpha * f) > window and lo <= t - 1 and lo not in taken:
+            taken.add(lo)
+            active.append((f, lo))
+    return active
+
+
+def learned_attention(q, k, v, *, window, base, alpha, alpha_value=None, max_rung=0):
     """The reference's materialised learned path: one interpolated key/value per rung.
 
     The active rung set is computed on the host from ``alpha_value`` (default ``alpha``, which
@@ -59,7 +89,7 @@ def learned_attention(q, k, v, *, window, base, alpha, alpha_value=None):
         cols_k.append(k[:, idx])
         cols_v.append(v[:, idx])
         valid_from.append(dist)
-    for f, lo, _ in offsets.learned_rung_spec(window=window, base=base, alpha=alpha_value, seq_len=t):
+    for f, lo in active_rungs(window=window, base=base, alpha=alpha_value, t=t, max_rung=max_rung):
         frac = alpha * f - lo
         near, far = np.maximum(pos - lo, 0), np.maximum(pos - lo - 1, 0)
         cols_k.append((1 - frac) * k[:, near] + frac * k[:, far])

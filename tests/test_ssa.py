@@ -9,12 +9,13 @@ import pytest
 from flax import nnx
 
 from fibjax import data as data_lib
-from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, apply_overrides
+from fibjax.config import AttentionConfig, ModelConfig, apply_overrides
 from fibjax.model import SSAStreams, Transformer, ssa_alignment
 from fibjax.recipes import ssa_cpu, ssa_paper
-from fibjax.train import sharding, step
+from fibjax.train import step
 from fibjax.train.loop import train
 from fibjax.train.metrics import read_metrics
+from tests.test_train_step import EIGHT, check_sharded_as_the_rules_say, lower_on_eight_devices
 
 
 def test_alignment_terms_on_a_hand_built_case():
@@ -96,12 +97,12 @@ def test_stream_choice_is_reproducible(embedded, tmp_path):
 @pytest.mark.parametrize("method", ["ssa", "moba"])
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_paper_shape_initialises_abstractly_and_lowers(method, platform):
-    cfg = dataclasses.replace(ssa_paper(method), mesh=MeshConfig(data=-1), global_batch=1)
-    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-    trainer = step.build(cfg, mesh)
+    """The Llama-3.2-1B shape at 8k tokens, lowered on 8 devices (data 2 x fsdp 2 x tensor 2):
+    sharded by the rules, with SSA's alignment term beside the loss."""
+    cfg = dataclasses.replace(ssa_paper(method), mesh=EIGHT, global_batch=4)
+    trainer, lowered, batch = lower_on_eight_devices(cfg, platform)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state["params"]))
     assert 1.1e9 < n_params < 1.3e9  # Llama-3.2-1B shape with 2 KV heads and a tied embedding
-    batch = jax.ShapeDtypeStruct((1, cfg.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
-    with jax.set_mesh(mesh):
-        lowered = trainer.step.trace(trainer.abstract_state, batch).lower(lowering_platforms=(platform,))
-    assert lowered.as_text()
+    check_sharded_as_the_rules_say(trainer, lowered, batch)
+    metrics = lowered.out_info[1]
+    assert ("align" in metrics) == (method == "ssa") and all(metrics[k].shape == () for k in ("loss", "ce", "grad_norm"))

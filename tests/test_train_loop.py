@@ -113,12 +113,25 @@ def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir):
 
 
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
-    rc, out = train_cmd(tmp_path / "nan", data_dir, "steps=40", "checkpoint.every_steps=2", "optim.lr=1e30", "optim.clip_norm=1e30")
+    """lr 1e30 makes step 2's gradient NaN; with a save after every step, step 1's checkpoint
+    must be on disk, intact and finite, and nothing after it."""
+    from fibjax.train import sharding, step
+    from fibjax.train.checkpoint import Checkpointer, load_run_config
+
+    rc, out = train_cmd(tmp_path / "nan", data_dir, "steps=10", "checkpoint.every_steps=1", "optim.lr=1e30", "optim.clip_norm=1e30")
     assert rc == 2 and "the run is stopped" in out, out
     rows = read_metrics(tmp_path / "nan")
-    assert all(np.isfinite(r["loss"]) for r in rows)
+    assert rows and all(np.isfinite(r["loss"]) for r in rows)
+    good = rows[-1]["step"]  # the last step whose loss and gradient were finite
     saved = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir() if p.name.isdigit())
-    assert "Last good checkpoint" in out and (not saved or saved[-1] <= rows[-1]["step"])
+    assert saved and saved[-1] == good, (saved, good)
+    assert f"Last good checkpoint: step {good}" in out
+    cfg = load_run_config(tmp_path / "nan")
+    trainer = step.build(cfg, sharding.make_mesh(cfg.mesh))
+    ckpt = Checkpointer(tmp_path / "nan", cfg.checkpoint)
+    state = ckpt.restore(good, trainer.abstract_state)  # raises if its sha256 or finiteness check fails
+    ckpt.close()
+    assert int(state["step"]) == good
 
 
 def test_loss_falls_on_real_text(tmp_path):
