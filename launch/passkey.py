@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
             params, model_cfg = runner.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
         else:
             params, model_cfg = run.params, run.cfg.model
-        result = passkey.passkey_grid(model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size)
+        # a learned run's alphas compiled as constants (the static path's cost), as launch.eval does
+        params, model_cfg = runner.frozen_alphas(params, model_cfg, runner.layer_alphas(params, model_cfg))
+        result = passkey.passkey_grid(model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
+                                      mesh=runner.eval_mesh(run.cfg))
     except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -124,3 +124,20 @@ def test_cli_on_a_trained_run(tmp_path):
     saved = json.loads((out / "passkey.json").read_text())
     assert saved["run"] == "pk" and saved["step"] == 2 and saved["lengths"] == [128, 160] and (out / "passkey.png").exists()
     assert passkey_cli.main(["--workdir", str(tmp_path / "run"), "--step", "7"]) == 2
+
+
+def test_an_eight_device_mesh_gives_the_answers_of_one_device(tok):
+    """Prompts split over data x fsdp = 8 shards (5 trials padded to a batch of 8) predict what
+    one device predicts, token for token."""
+    import jax
+
+    from fibjax.config import MeshConfig
+    from fibjax.train.sharding import make_mesh
+
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))
+    grid = dict(lengths=[100], depths=[0.0, 1.0], trials=5, seed=1, batch_size=3)
+    one = passkey.passkey_grid(cfg, params, tok, **grid)
+    eight = passkey.passkey_grid(cfg, params, tok, **grid, mesh=make_mesh(MeshConfig(data=4, fsdp=2, tensor=1), jax.devices()[:8]))
+    assert [c["answers"] for c in eight["cells"]] == [c["answers"] for c in one["cells"]]
+    assert eight["token_accuracy"] == one["token_accuracy"]

@@ -117,7 +117,7 @@ def learned_rung_spec(*, window: int, base: Base, alpha: float, seq_len: int) ->
 
     t = alpha*f, lo = floor(t), frac = t - lo; a rung is skipped if round(t) <= W, if lo > T-1,
     or if lo is already used (by the window {0..min(W, T-1)} or an earlier rung: first wins).
-    The independent host-side statement of the rule (the tests' oracle uses it); the traced
+    The independent host-side statement of the rule; the traced
     version is ``offset_xla.learned_rungs``. Note the window counts as "used": a rung with
     round(t) > W but lo = W (t in [W+0.5, W+1)) is skipped, as in the reference code, though the
     static path at the same alpha would attend distance W+1 (BUILD_NOTES.md, "Semantics").

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fibjax.eval.perplexity import EvalError
@@ -95,17 +94,9 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0)
 
 def model_predict_fn(model_cfg) -> PredictFn:
     """Argmax next token at every position for a fibjax model config (any attention kind)."""
-    from flax import nnx
+    from fibjax.eval import batching
 
-    from fibjax.model import graphdef_of
-
-    graphdef = graphdef_of(model_cfg)
-
-    @jax.jit
-    def predict(params, tokens_NL):
-        return jnp.argmax(nnx.merge(graphdef, params)(tokens_NL), axis=-1).astype(jnp.int32)
-
-    return lambda params, tokens: np.asarray(predict(params, jnp.asarray(tokens)))
+    return batching.on_model(model_cfg, batching.argmax_next)
 
 
 def score(prompts: Sequence[Prompt], predicted_NL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -119,22 +110,26 @@ def score(prompts: Sequence[Prompt], predicted_NL: np.ndarray) -> tuple[np.ndarr
 
 
 def passkey_grid(model_cfg, params, tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int = 0, *,
-                 batch_size: int | None = None, predict_fn: PredictFn | None = None) -> dict:
+                 batch_size: int | None = None, predict_fn: PredictFn | None = None, mesh: jax.sharding.Mesh | None = None) -> dict:
     """Accuracy of every (length, depth) cell over ``trials`` seeded keys.
 
     ``batch_size`` prompts per forward (default: all trials of a cell; one compile per
-    length); ``predict_fn`` replaces the model (tests). Returns a JSON-ready dict: the grid
+    length; rounded up to a multiple of the mesh's data shards); ``predict_fn`` replaces the
+    model (tests); ``mesh``: prompts split over its data axes, parameters replicated. Returns a JSON-ready dict: the grid
     ``accuracy[depth][length]``, ``correct`` and ``token_accuracy``, and per-cell rows in ``cells``."""
     if trials < 1 or not lengths or not depths:
         raise EvalError(f"need trials >= 1 and at least one length and depth; got {trials}, {list(lengths)}, {list(depths)}")
+    from fibjax.eval import batching
+
     predict = predict_fn or model_predict_fn(model_cfg)
-    rows = batch_size or trials
+    rows = batching.fixed_batch_size(batch_size or trials, mesh)
+    params = batching.replicate(params, mesh)
     cells = []
     for length in lengths:
         for depth in depths:
             prompts = [build_prompt(tokenizer, length, depth, *random_trial(seed, length, depth, i)) for i in range(trials)]
             tokens = np.stack([p.tokens[:-1] for p in prompts])
-            predicted = np.concatenate([_fixed_batch(predict, params, tokens[i : i + rows], rows) for i in range(0, trials, rows)])
+            predicted = batching.in_fixed_batches(predict, params, tokens, rows, mesh)
             exact, frac = score(prompts, predicted)
             cells.append({
                 "length": int(length), "depth": float(depth), "actual_depth": float(np.mean([p.depth for p in prompts])),
@@ -151,14 +146,6 @@ def passkey_grid(model_cfg, params, tokenizer, lengths: Sequence[int], depths: S
         "token_accuracy": [[grid[(int(n), float(d))]["token_accuracy"] for n in lengths] for d in depths],
         "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])), "cells": cells,
     }
-
-
-def _fixed_batch(predict: PredictFn, params, tokens: np.ndarray, rows: int) -> np.ndarray:
-    """Pad to ``rows`` so every call of a length has one shape (one compile)."""
-    real = len(tokens)
-    if real < rows:
-        tokens = np.concatenate([tokens, np.repeat(tokens[-1:], rows - real, axis=0)])
-    return np.asarray(predict(params, tokens))[:real]
 
 
 # --- outputs ------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ carried context), so the number of scored tokens is N at every length.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -15,11 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from fibjax.attention.sharded import BATCH_AXES
 from fibjax.config import ModelConfig
-from fibjax.model import graphdef_of
+from fibjax.eval import batching
 
 NUM_BINS = 8
 
@@ -38,18 +35,6 @@ class LengthResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-@functools.lru_cache(maxsize=16)  # one compile per architecture, whatever the number of datasets
-def token_nll_fn(model_cfg: ModelConfig):
-    """Jitted (params, tokens [B, L+1]) -> NLL [B, L] float32 for this architecture."""
-    graphdef = graphdef_of(model_cfg)
-
-    @jax.jit
-    def nll(params, tokens_BL1):  # model.logits_chunk bounds the logits' memory
-        return nnx.merge(graphdef, params)(tokens_BL1[:, :-1], targets_BT=tokens_BL1[:, 1:])
-
-    return nll
 
 
 def scored_tokens(stream_len: int, lengths: list[int], max_tokens: int) -> int:
@@ -74,44 +59,24 @@ def evaluate_lengths(model_cfg: ModelConfig, params, stream: np.ndarray, lengths
     """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory). With a
     ``mesh``, the windows of a batch are split over its data and fsdp axes (data parallel, the
     parameters replicated), so a pod's checkpoint evaluates on the pod."""
-    nll_fn = token_nll_fn(model_cfg)
+    nll_fn = batching.on_model(model_cfg, batching.next_token_nll)
     n = scored_tokens(len(stream), lengths, max_tokens)
-    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
-    if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    params = batching.replicate(params, mesh)
     results = []
     for length in lengths:
         tokens = windows(stream, n, length)
-        rows = -(-max(1, rows_tokens // length) // shards) * shards  # a whole number of rows per shard
-        nll = np.concatenate([_padded_call(nll_fn, params, tokens[i : i + rows], rows, mesh) for i in range(0, len(tokens), rows)])
+        nll = batching.in_fixed_batches(nll_fn, params, tokens, batching.fixed_batch_size(rows_tokens // length, mesh), mesh)
         bins = [float(b.mean()) for b in np.array_split(nll, NUM_BINS, axis=1)]
         mean = float(nll.mean())
         results.append(LengthResult(length, int(nll.size), mean, math.exp(mean), bins))
     return results
 
 
-def _padded_call(fn, params, tokens: np.ndarray, rows: int, mesh=None) -> np.ndarray:
-    """Call with a fixed batch of ``rows`` (one compile per length), dropping padded rows."""
-    real = len(tokens)
-    if real < rows:
-        tokens = np.concatenate([tokens, np.zeros((rows - real, tokens.shape[1]), tokens.dtype)])
-    batch = jnp.asarray(tokens) if mesh is None else jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
-    return np.asarray(fn(params, batch))[:real]
-
-
-@functools.lru_cache(maxsize=16)
-def dropped_mass_fn(model_cfg: ModelConfig):
-    """Jitted (params, tokens [B, L+1]) -> dropped attention mass per layer [num_layers]:
-    the mean over queries and heads of 1 - exp(lse_pattern - lse_dense) (paper B)."""
-    graphdef = graphdef_of(model_cfg)
-
-    @jax.jit
-    def mass(params, tokens_BL1):
-        _, sown = nnx.capture(nnx.merge(graphdef, params), nnx.Intermediate)(tokens_BL1[:, :-1], probe_dropped_mass=True)
-        per_layer = sown["blocks"]
-        return jnp.stack([per_layer[i]["attn"]["dropped_mass"][0] for i in range(model_cfg.num_layers)])
-
-    return mass
+def dropped_mass_head(model, tokens_BL1: jax.Array) -> jax.Array:
+    """Dropped attention mass per layer [num_layers]: the mean over queries and heads of
+    1 - exp(lse_pattern - lse_dense) (paper B)."""
+    _, sown = nnx.capture(model, nnx.Intermediate)(tokens_BL1[:, :-1], probe_dropped_mass=True)
+    return jnp.stack([sown["blocks"][i]["attn"]["dropped_mass"][0] for i in range(model.cfg.num_layers)])
 
 
 def dropped_mass_by_layer(model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int) -> list[float]:
@@ -119,6 +84,6 @@ def dropped_mass_by_layer(model_cfg: ModelConfig, params, stream: np.ndarray, le
     batches of windows: a remainder smaller than one batch is left out)."""
     tokens = windows(stream, scored_tokens(len(stream), [length], max_tokens), length)
     rows = max(1, min(len(tokens), rows_tokens // length))
-    fn = dropped_mass_fn(model_cfg)
+    fn = batching.on_model(model_cfg, dropped_mass_head)
     per_batch = [np.asarray(fn(params, jnp.asarray(tokens[i : i + rows]))) for i in range(0, len(tokens) // rows * rows, rows)]
     return [float(x) for x in np.mean(per_batch, axis=0)]
