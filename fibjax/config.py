@@ -30,9 +30,11 @@ def _require(ok: bool, name: str, message: str, value) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Attention of every layer. ``kind``: dense | offset (paper A) | block_sparse (paper B)."""
+    """Attention of every layer. ``kind``: dense | offset (paper A) | block_sparse (MoBA, paper B)
+    | nsa (NSA, paper B's gated baseline: compressed blocks + selected blocks + window)."""
 
     kind: str = "dense"
+    # offset: the dense local window {0..W}; nsa: the window branch's keys i-W .. i
     window: int = 12
     base: str | tuple[int, ...] = "fibonacci"
     # keep only rungs <= max_rung (0: the whole list); stored with the run, so evaluation at a
@@ -45,13 +47,21 @@ class AttentionConfig:
     # the learned path's interpolated rungs with fixed alphas: how a learned run is evaluated
     # and decoded after training (its final alphas compiled as constants, same numbers, faster)
     interpolate: bool = False
+    # block_sparse and nsa: keys per block (nsa: also the compression block) and blocks per query
+    # (the own block included)
     block_size: int = 16
     num_blocks: int = 16
+    # how block_sparse ranks earlier blocks: mean_key = (sum of the group's q) . mean key (issue 5);
+    # nsa_prob = sum over the group of per-head softmax probabilities (NSA's rule; nsa always uses it)
+    block_rank: str = "mean_key"
+    # build NSA's parameters (gates, compression) though kind != nsa: SSA with ssa.sparse_kind=nsa,
+    # whose model attention is the dense full stream
+    nsa_params: bool = False
     # None: XLA until the kernels pass their hardware check (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
     implementation: str | None = None
 
     def __post_init__(self):
-        _require(self.kind in ("dense", "offset", "block_sparse"), "kind", "must be dense, offset or block_sparse", self.kind)
+        _require(self.kind in ("dense", "offset", "block_sparse", "nsa"), "kind", "must be dense, offset, block_sparse or nsa", self.kind)
         _require(self.window >= 0, "window", "must be >= 0", self.window)
         if isinstance(self.base, str):
             _require(self.base in ("fibonacci", "pow2"), "base", "must be fibonacci, pow2 or a tuple of ints", self.base)
@@ -68,6 +78,7 @@ class AttentionConfig:
             _require(len(self.alpha) > 0 and not bad, "alpha", "explicit alphas must lie in [0.5, 1.5]", self.alpha)
         _require(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
         _require(self.num_blocks >= 1, "num_blocks", "must be >= 1", self.num_blocks)
+        _require(self.block_rank in ("mean_key", "nsa_prob"), "block_rank", "must be mean_key or nsa_prob", self.block_rank)
         _require(self.implementation in (None, "xla", "pallas"), "implementation", "must be None, xla or pallas", self.implementation)
 
     @property
@@ -260,7 +271,8 @@ class SSAConfig:
     probability ``sparse_prob``; every layer also computes the other stream for the alignment
     loss SmoothL1(h_full, sg(h_sparse)) + SmoothL1(sg(h_full), h_sparse), weighted by
     ``align_weight``. The sparse stream is ``model.attention`` with kind=``sparse_kind``:
-    block_sparse (MoBA blocks, the paper) or offset (Fibonacci offsets: "ssa_fib")."""
+    block_sparse (MoBA blocks, the paper), offset (Fibonacci offsets: "ssa_fib") or nsa (needs
+    ``model.attention.nsa_params=true``: the model's own attention is the dense full stream)."""
 
     enabled: bool = False
     sparse_kind: str = "block_sparse"
@@ -268,7 +280,7 @@ class SSAConfig:
     sparse_prob: float = 0.5
 
     def __post_init__(self):
-        _require(self.sparse_kind in ("block_sparse", "offset"), "sparse_kind", "must be block_sparse or offset", self.sparse_kind)
+        _require(self.sparse_kind in ("block_sparse", "offset", "nsa"), "sparse_kind", "must be block_sparse, offset or nsa", self.sparse_kind)
         _require(self.align_weight >= 0, "align_weight", "must be >= 0", self.align_weight)
         _require(0 <= self.sparse_prob <= 1, "sparse_prob", "must lie in [0, 1]", self.sparse_prob)
 
@@ -300,6 +312,8 @@ class TrainConfig:
             a = self.model.attention
             _require(a.kind == "dense", "model.attention.kind", "must be dense (the full stream) when ssa.enabled", a.kind)
             _require(not a.learn_alpha and a.alpha != "learned", "model.attention.alpha", "the ssa sparse stream uses static alphas", a.alpha)
+            _require(self.ssa.sparse_kind != "nsa" or a.nsa_params, "model.attention.nsa_params",
+                     "must be true when ssa.sparse_kind=nsa (the dense full stream then carries NSA's gates and compression)", a.nsa_params)
         _require(self.seq_len >= 2, "seq_len", "must be >= 2", self.seq_len)
         _require(self.global_batch >= 1, "global_batch", "must be >= 1", self.global_batch)
         _require(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from fibjax import attention as attn_lib
 from fibjax.attention import offsets
+from fibjax.attention.sharded import BATCH_AXES, HEAD_AXIS
 from fibjax.config import AttentionConfig, ModelConfig
+from fibjax.layer_modes import DroppedMassProbe, SSAStreams, smooth_l1, ssa_alignment  # noqa: F401  (public names of fibjax.model)
 
 Array = jax.Array
+# (attention layer, q [B,T,H,E], k, v [B,T,K,E], x [B,T,D]) -> output [B,T,H,E]: fibjax.layer_modes
+LayerMode = Callable[..., Array]
 
 
 def _init(std: float, axes: tuple[str | None, ...]):
@@ -87,32 +92,47 @@ def theta_to_alpha(theta: Array) -> Array:
     return offsets.ALPHA_MIN + jax.nn.sigmoid(theta)
 
 
-class SSAStreams(NamedTuple):
-    """Paper B training: run both streams, pass on the sparse one iff ``use_sparse`` (traced)."""
+class BlockCompressor(nnx.Module):
+    """NSA's learned compression of every block of keys (or values) into one, per KV head, the
+    weights shared by the heads: mean + relu(vec(X + P) W_in) W_out (``compress_blocks``).
+    P and W_out start at zero, so a fresh layer compresses by the block mean, as the reference
+    code does; hidden width = head dim."""
 
-    sparse: AttentionConfig
-    use_sparse: Array
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        j, e, pdt = cfg.attention.block_size, cfg.resolved_head_dim, cfg.param_dtype
+        self.pos = nnx.Param(jnp.zeros((j, e), pdt), logical_axes=(None, None))
+        self.w_in = nnx.Param(nnx.initializers.normal((j * e) ** -0.5)(rngs.params(), (j * e, e), pdt), logical_axes=(None, None))
+        self.w_out = nnx.Param(jnp.zeros((e, e), pdt), logical_axes=(None, None))
+
+    def __call__(self, x_BTKE: Array) -> Array:
+        dt = x_BTKE.dtype
+        return attn_lib.compress_blocks(x_BTKE, self.pos[...].astype(dt), self.w_in[...].astype(dt), self.w_out[...].astype(dt))
 
 
-def smooth_l1(a: Array, b: Array) -> Array:
-    """Mean Huber loss with beta = 1 (torch's SmoothL1Loss default, as the SSA reference)."""
-    d = jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))
-    return jnp.mean(jnp.where(d < 1.0, 0.5 * d * d, d - 0.5))
+class NSAParams(nnx.Module):
+    """NSA's learned parts: a sigmoid gate per (head, branch) from the layer input (a linear map,
+    as the reference's g_proj; zero-initialised: every gate starts at 1/2) and the compressions."""
 
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.block_size = cfg.attention.block_size
+        init = nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=("embed", "heads"))
+        self.gate = nnx.Linear(cfg.d_model, cfg.num_heads * 3, use_bias=False, kernel_init=init, dtype=cfg.dtype,
+                               param_dtype=cfg.param_dtype, rngs=rngs)
+        self.k_compress = BlockCompressor(cfg, rngs=rngs)
+        self.v_compress = BlockCompressor(cfg, rngs=rngs)
 
-def ssa_alignment(full_BTHE: Array, sparse_BTHE: Array) -> Array:
-    """SmoothL1(full, sg(sparse)) (full learns to be sparse) + SmoothL1(sg(full), sparse)
-    (sparse stays near full), on per-head attention outputs before the output projection."""
-    sg = jax.lax.stop_gradient
-    return smooth_l1(full_BTHE, sg(sparse_BTHE)) + smooth_l1(sg(full_BTHE), sparse_BTHE)
+    def __call__(self, x_BTD: Array, k_BTKE: Array, v_BTKE: Array) -> tuple[Array, Array, Array]:
+        """(k_cmp, v_cmp [B, T // block, K, E], gates [B,T,H,3] float32)."""
+        b, t, _ = x_BTD.shape
+        gates_BTH3 = jax.nn.sigmoid(self.gate(x_BTD).astype(jnp.float32)).reshape(b, t, -1, 3)
+        return self.k_compress(k_BTKE), self.v_compress(v_BTKE), gates_BTH3
 
 
 class Attention(nnx.Module):
-    """Projections, RoPE, and the layer's attention path (dense, offsets, or blocks).
+    """Projections, RoPE, and the layer's attention path (dense, offsets, blocks, or NSA).
 
-    Optional extras, recorded with ``sow`` as ``nnx.Intermediate``: the SSA alignment loss
-    (``ssa_align``) and the dropped attention mass against dense attention (``dropped_mass``).
-    """
+    A ``mode`` (``fibjax.layer_modes``: SSA's two streams, the dropped-mass probe) replaces the
+    plain attention call when given; it records its extras with ``sow``."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.cfg, self.layer = cfg, layer
@@ -126,6 +146,8 @@ class Attention(nnx.Module):
         if cfg.attention.is_learned:
             alpha0 = cfg.attention.layer_alphas(cfg.num_layers)[layer]
             self.theta = nnx.Param(jnp.asarray(offsets.alpha_to_theta(alpha0), jnp.float32), logical_axes=())
+        if cfg.attention.kind == "nsa" or cfg.attention.nsa_params:
+            self.nsa = NSAParams(cfg, rngs=rngs)
 
     def alpha(self, acfg: AttentionConfig | None = None) -> Array | float | None:
         """This layer's alpha under ``acfg`` (default: the model's): 0.5 + sigmoid(theta) when
@@ -146,33 +168,35 @@ class Attention(nnx.Module):
         inv_freq, mscale = rope_frequencies(e, self.cfg)
         return rope(q_BTHE, positions_BT, inv_freq, mscale), rope(k_BTKE, positions_BT, inv_freq, mscale), v_BTKE
 
-    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, return_lse: bool = False):
-        """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's)."""
+    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, x_BTD: Array | None = None,
+               return_lse: bool = False):
+        """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's);
+        ``x_BTD``, the layer's normed input, makes NSA's gates."""
         acfg = acfg or self.cfg.attention
         t, impl = q_BTHE.shape[1], acfg.implementation
         if acfg.kind == "dense":
             return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse)
         if acfg.kind == "block_sparse":
-            return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, return_lse=return_lse)
+            return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks,
+                                                   block_rank=acfg.block_rank, return_lse=return_lse)
+        if acfg.kind == "nsa":
+            nsa = getattr(self, "nsa", None)
+            if nsa is None or nsa.block_size != acfg.block_size:
+                raise ValueError(f"nsa attention with block_size {acfg.block_size} needs NSA parameters built for that block size "
+                                 f"(this layer's: {getattr(nsa, 'block_size', None)}); set model.attention.kind=nsa, or nsa_params=true for SSA")
+            k_cmp, v_cmp, gates = nsa(x_BTD, k_BTKE, v_BTKE)
+            return attn_lib.nsa_attention(q_BTHE, k_BTKE, v_BTKE, k_cmp, v_cmp, gates, block_size=acfg.block_size, num_blocks=acfg.num_blocks,
+                                          window=acfg.window, return_lse=return_lse)
         if acfg.is_interpolated:
             return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg),
                                                    return_lse=return_lse, implementation=impl)
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), seq_len=t)
         return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds, return_lse=return_lse, implementation=impl)
 
-    def __call__(self, x_BTD: Array, positions_BT: Array, *, ssa: SSAStreams | None = None, probe_dropped_mass: bool = False) -> Array:
+    def __call__(self, x_BTD: Array, positions_BT: Array, mode: LayerMode | None = None) -> Array:
         b, t, _ = x_BTD.shape
         q, k, v = self.qkv(x_BTD, positions_BT)
-        if ssa is not None:
-            full_BTHE, sparse_BTHE = self.attend(q, k, v, AttentionConfig(kind="dense")), self.attend(q, k, v, ssa.sparse)
-            self.sow(nnx.Intermediate, "ssa_align", ssa_alignment(full_BTHE, sparse_BTHE))
-            out_BTHE = jnp.where(ssa.use_sparse, sparse_BTHE, full_BTHE)  # only the chosen stream is passed on
-        elif probe_dropped_mass:
-            out_BTHE, lse_BTH = self.attend(q, k, v, return_lse=True)
-            _, full_lse_BTH = attn_lib.dense_attention(q, k, v, return_lse=True)
-            self.sow(nnx.Intermediate, "dropped_mass", attn_lib.dropped_mass(lse_BTH, full_lse_BTH))
-        else:
-            out_BTHE = self.attend(q, k, v)
+        out_BTHE = self.attend(q, k, v, x_BTD=x_BTD) if mode is None else mode(self, q, k, v, x_BTD)
         return self.o_proj(out_BTHE.reshape(b, t, -1))
 
 
@@ -198,8 +222,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BTD: Array, positions_BT: Array, ssa: SSAStreams | None = None, probe_dropped_mass: bool = False) -> Array:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, ssa=ssa, probe_dropped_mass=probe_dropped_mass)
+    def __call__(self, x_BTD: Array, positions_BT: Array, mode: LayerMode | None = None) -> Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, mode)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD))
 
 
@@ -216,32 +240,44 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
     def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
-                 probe_dropped_mass: bool = False, targets_BT: Array | None = None) -> Array:
+                 probe_dropped_mass: bool = False, mode: LayerMode | None = None, targets_BT: Array | None = None) -> Array:
         """Logits [B, T, V] float32; with ``targets_BT``, the per-token NLL [B, T] float32 instead,
         computed ``cfg.logits_chunk`` positions at a time so the full logits never exist.
         ``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's
-        dropped attention mass against dense attention (evaluation)."""
-        x_BTD = self.hidden(tokens_BT, positions_BT, ssa=ssa, probe_dropped_mass=probe_dropped_mass)
+        dropped attention mass against dense attention (evaluation); ``mode``: any layer mode."""
+        x_BTD = self.hidden(tokens_BT, positions_BT, mode=layer_mode(ssa, probe_dropped_mass, mode))
         if targets_BT is None:
             return self.logits(x_BTD)
         return chunked_nll(self.final_norm(x_BTD), self.embed.embedding[...], targets_BT, self.cfg.logits_chunk)
 
-    def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
-               probe_dropped_mass: bool = False) -> Array:
+    def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, *, mode: LayerMode | None = None) -> Array:
         """The residual stream after the last block [B, T, D] (before the final norm)."""
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x_BTD = self.embed(tokens_BT)
+        x_BTD = batch_sharded(self.lookup(tokens_BT))
 
         def run_block(block: Block, x_BTD: Array) -> Array:
-            return block(x_BTD, positions_BT, ssa, probe_dropped_mass)
+            return batch_sharded(block(x_BTD, positions_BT, mode))
 
         if self.cfg.remat:  # one extra forward per block instead of storing its activations
             run_block = nnx.remat(run_block)
         for block in self.blocks:
             x_BTD = run_block(block, x_BTD)
         return x_BTD
+
+    def lookup(self, tokens_BT: Array) -> Array:
+        """Embedding rows [B, T, D] in the compute dtype (``nnx.Embed``'s numbers). Under a mesh the
+        table's embed dimension is gathered first (FSDP's gather of a parameter before its use):
+        a lookup into a table split along D would come out split along D, and turning that into
+        the batch-split residual stream costs the partitioner a full copy."""
+        table_VD = self.embed.embedding[...].astype(self.cfg.dtype)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:
+            tensor = mesh.shape.get(HEAD_AXIS, 1)
+            vocab_axis = HEAD_AXIS if tensor > 1 and table_VD.shape[0] % tensor == 0 else None
+            table_VD = jax.lax.with_sharding_constraint(table_VD, PartitionSpec(vocab_axis, None))
+        return jnp.take(table_VD, tokens_BT, axis=0)
 
     def logits(self, x_BTD: Array) -> Array:
         """Final norm and the tied output projection, accumulated and returned in float32 even
@@ -251,6 +287,28 @@ class Transformer(nnx.Module):
     def alphas(self) -> list[float | Array | None]:
         """Per-layer alpha (None for layers without one)."""
         return [block.attn.alpha() for block in self.blocks]
+
+
+def batch_sharded(x_BTD: Array) -> Array:
+    """The residual stream [B, T, D] split over the mesh's batch axes and whole in T and D, at
+    every block boundary, when a mesh is active and divides the batch: the layout FSDP and tensor
+    parallelism both assume, stated so that the partitioner does not choose another between
+    blocks (it otherwise reshards through a full copy: XLA's "involuntary full rematerialization")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x_BTD
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if not axes or x_BTD.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x_BTD
+    return jax.lax.with_sharding_constraint(x_BTD, PartitionSpec(axes, None, None))
+
+
+def layer_mode(ssa: SSAStreams | None, probe_dropped_mass: bool, mode: LayerMode | None) -> LayerMode | None:
+    """The one mode of a call, from the public keywords (at most one may be given)."""
+    given = [m for m in (ssa, DroppedMassProbe() if probe_dropped_mass else None, mode) if m is not None]
+    if len(given) > 1:
+        raise ValueError("ssa, probe_dropped_mass and mode are alternatives: pass one")
+    return given[0] if given else None
 
 
 def _logits(x_BTD: Array, table_VD: Array) -> Array:

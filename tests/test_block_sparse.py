@@ -155,6 +155,35 @@ def test_selection_is_per_kv_head_over_the_group_sum():
     assert np.all(idx[0, 8:, 0] == [2, 1])
 
 
+@pytest.mark.parametrize("case", CASES[:3])
+def test_nsa_prob_rank_matches_oracle(case):
+    """block_rank=nsa_prob: the group sum of per-head softmax probabilities over the block means
+    (inexact in float32: the reference's choice must have a clear margin first)."""
+    b, t, h, kh, d, block, s = case
+    q, k, v = bo.dyadic_qkv(KEY, b, t, h, kh, d)
+    scores = bo.selection_scores(q, k, block, "nsa_prob")
+    assert bo.selection_margin(scores, block, s) > 1e-5
+    chosen = bo.selected_blocks(q, k, block, s, scores=scores)
+    idx = select_blocks(q, k, block_size=block, num_blocks=s, block_rank="nsa_prob")
+    np.testing.assert_array_equal(bo.indices_to_blocks(idx, chosen.shape[-1]), chosen)
+    out, lse = block_sparse_attention(q, k, v, block_size=block, num_blocks=s, block_rank="nsa_prob", return_lse=True)
+    ref, ref_lse = bo.block_sparse_reference(q, k, v, block, s, chosen)
+    _close(out, ref, bo.TOL[jnp.float32])
+    _close(lse, ref_lse, bo.TOL[jnp.float32])
+
+
+def test_nsa_prob_rank_lets_a_sharp_head_decide():
+    """Head 0 wants block 0 sharply (logit 11.3 vs 0), head 1 dislikes it twice as much (-22.6):
+    the summed dot product ranks block 0 last, the summed probabilities (1 + 0 vs 0 + 1/2) first."""
+    q = jnp.zeros((1, 16, 2, 2)).at[:, :, 0, 0].set(16.0).at[:, :, 1, 1].set(16.0)
+    k = jnp.zeros((1, 16, 1, 2)).at[:, 0:4, 0].set(jnp.array([1.0, -2.0]))
+    mean_key = np.asarray(select_blocks(q, k, block_size=4, num_blocks=2))
+    nsa_prob = np.asarray(select_blocks(q, k, block_size=4, num_blocks=2, block_rank="nsa_prob"))
+    assert np.all(mean_key[0, 12:, 0] == [3, 1]) and np.all(nsa_prob[0, 12:, 0] == [3, 0])
+    with pytest.raises(ValueError, match="block_rank"):
+        select_blocks(q, k, block_size=4, num_blocks=2, block_rank="prob")
+
+
 def test_causality():
     p = 29
     q, k, v = bo.dyadic_qkv(KEY, *SHAPE)

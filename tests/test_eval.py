@@ -162,9 +162,15 @@ def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     masses = report["dropped_mass"]["python_docs"]
     assert all(0 < m < 1 for per_layer in masses.values() for m in per_layer)  # 2 blocks of 8 cannot hold all of 32+ keys
     assert "dropped mass" in out
+    # paper B's law on every layer: errors within the bound 2 m max||v||, growing with the mass
+    laws = report["error_law"]["python_docs"]
+    stats = [(x["bound_violations"], x["slope"], x["max_error_over_bound"]) for layers in laws.values() for x in layers]
+    assert all(v == 0 and slope > 0 and 0 < ratio <= 1.001 for v, slope, ratio in stats), stats
+    assert "error law, python_docs @ 32" in out
     assert main(["--workdir", str(runs["dense"]), "--lengths", "32", "--inference-mode", "full", "--dropped-mass"]) == 0
     full = json.loads(next(p for p in (runs["dense"] / "eval").iterdir() if "kind_dense" in p.name).read_text())
     assert all(m == 0 for per_layer in full["dropped_mass"]["python_docs"].values() for m in per_layer)
+    assert all(x["mean_error"] == 0 for layers in full["error_law"]["python_docs"].values() for x in layers)
     with pytest.raises(SystemExit) as exit_:
         main(["--workdir", str(runs["dense"]), "--inference-mode", "sparse", "--num-blocks", "0"])
     assert exit_.value.code == 2 and "--num-blocks: must be >= 1" in capsys.readouterr().err

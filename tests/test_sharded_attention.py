@@ -34,3 +34,26 @@ def test_pallas_per_shard_equals_the_unsharded_xla_path():
     for g, r in zip(jax.tree.leaves((got_grads, got_out)), jax.tree.leaves((ref_grads, ref_out))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)
     assert got_out[0].sharding.spec == P(("data", "fsdp"), None, "tensor", None)
+
+
+def test_query_heads_split_over_the_tensor_axis_when_kv_heads_do_not_divide_it():
+    """2 KV heads on a tensor axis of 4: each shard takes 2 of the 8 query heads and their one KV
+    head (no replicated work), and computes the unsharded function, forward and backward."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    q, k, v = oracle.random_qkv(jax.random.PRNGKey(1), 2, 40, 8, 2, 8)
+    ds = attended_distances(window=3, base="fibonacci", alpha=1.0, seq_len=40)
+
+    def loss(q, k, v, impl):
+        out, lse = offset_attention(q, k, v, distances=ds, implementation=impl, return_lse=True)
+        return jnp.sum(out * out) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    ref_grads, ref_out = grad(q, k, v, "xla")
+    with jax.set_mesh(mesh):
+        q_s = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor", None)))
+        kv_s = [jax.device_put(x, NamedSharding(mesh, P("data", None, None, None))) for x in (k, v)]
+        sharded = jax.jit(lambda q, k, v: grad(q, k, v, "pallas"))
+        got_grads, got_out = sharded(q_s, *kv_s)
+    for g, r in zip(jax.tree.leaves((got_grads, got_out)), jax.tree.leaves((ref_grads, ref_out))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)
+    assert got_out[0].sharding.spec == P("data", None, "tensor", None)  # query heads split, not replicated

@@ -32,6 +32,8 @@ _LAZY = {
     "block_sparse_attention": "fibjax.attention.block_sparse",
     "dropped_mass": "fibjax.attention.block_sparse",
     "select_blocks": "fibjax.attention.block_sparse",
+    "compress_blocks": "fibjax.attention.nsa",
+    "nsa_attention": "fibjax.attention.nsa",
 }
 
 
@@ -49,12 +51,14 @@ __all__ = [
     "base_rungs",
     "block_sparse_attention",
     "bounded_base",
+    "compress_blocks",
     "coprime_stride",
     "dense_attention",
     "dropped_mass",
     "interpolated_attention",
     "learned_rung_bases",
     "learned_rung_spec",
+    "nsa_attention",
     "offset_attention",
     "select_blocks",
 ]

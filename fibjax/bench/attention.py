@@ -39,6 +39,7 @@ class Case:
     block_sizes: BlockSizes = BlockSizes()  # the Pallas rows'
     sparse_block: int = 16  # block_sparse row: paper B's 16 blocks of 16 (receptive field 256)
     sparse_blocks: int = 16
+    nsa_window: int = 127  # nsa row: paper B's NSA baseline, the same blocks + a window of 128 keys
 
     @property
     def alpha(self) -> float:
@@ -92,14 +93,31 @@ def _block_sparse(case: Case) -> Callable:
     return lambda q, k, v, alpha: attention.block_sparse_attention(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks)
 
 
+def _nsa(case: Case) -> Callable:
+    """The three branches with the model's compression of k and v (gates fixed at 1/2: the gate
+    projection is a [D, 3H] matmul of the model, not of the attention)."""
+    j, d = case.sparse_block, case.head_dim
+    ks = jax.random.split(jax.random.PRNGKey(1), 2)
+    w_in, w_out = jax.random.normal(ks[0], (j * d, d)) * (j * d) ** -0.5, jax.random.normal(ks[1], (d, d)) * d**-0.5
+    pos = jnp.zeros((j, d))
+
+    def f(q, k, v, alpha):
+        w = [x.astype(k.dtype) for x in (pos, w_in, w_out)]
+        gates = jnp.full((*q.shape[:3], 3), 0.5, jnp.float32)
+        return attention.nsa_attention(q, k, v, attention.compress_blocks(k, *w), attention.compress_blocks(v, *w), gates,
+                                       block_size=j, num_blocks=case.sparse_blocks, window=case.nsa_window)
+
+    return f
+
+
 PATHS: dict[str, Callable[[Case], Callable]] = {
     "dense": _dense, "static": _static, "learned": _learned, "learned_frozen": _learned_frozen, "block_sparse": _block_sparse,
-    "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
+    "nsa": _nsa, "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
 }
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
-    ("static", "dense"), ("learned", "static"), ("learned_frozen", "static"), ("block_sparse", "dense"), ("static_pallas", "static"),
+    ("static", "dense"), ("learned", "static"), ("learned_frozen", "static"), ("block_sparse", "dense"), ("nsa", "block_sparse"), ("static_pallas", "static"),
     ("learned_pallas", "learned"), ("learned_pallas", "static_pallas"), ("static_pallas", "cudnn"), ("learned_pallas", "cudnn"),
 ]
 
@@ -107,7 +125,7 @@ RATIOS: list[tuple[str, str]] = [
 def default_paths() -> list[str]:
     """Every path that is fast enough to run here: on CPU the Pallas rows are interpret mode."""
     if jax.default_backend() == "cpu":
-        return ["dense", "static", "learned", "learned_frozen", "block_sparse"]
+        return ["dense", "static", "learned", "learned_frozen", "block_sparse", "nsa"]
     return list(PATHS)
 
 

@@ -11,13 +11,17 @@ Letters: B batch, H query heads, K KV heads, G = H/K, E head dim, S attended row
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from fibjax import attention as attn_lib
 from fibjax.attention.common import group_queries, masked_softmax, stats_dtype
 from fibjax.attention.offset_xla import learned_rungs
+from fibjax.decode import cache as cache_lib
 from fibjax.decode.cache import KV, LayerPlan
 
 Array = jax.Array
@@ -112,3 +116,33 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
         p_BKGR = p_BKGS[..., col:]
         o_BKGE += _values(p_BKGR * (1 - frac_R), _rows(kv.v, near_R)) + _values(p_BKGR * frac_R, _rows(kv.v, far_R))
     return o_BKGE.reshape(b, 1, h, e).astype(q_B1HE.dtype)
+
+
+# --- layer modes: the model's own blocks run with these in place of their attention ---------
+
+
+class PromptMode(NamedTuple):
+    """A ``fibjax.layer_modes`` mode for the prompt: each layer attends as ``attend_prompt`` and
+    records its cache (``sow`` "cache"), so prefill is the model's own forward."""
+
+    plans: tuple[LayerPlan, ...]
+
+    def __call__(self, attn, q_BPHE: Array, k_BPKE: Array, v_BPKE: Array, x_BPD: Array) -> Array:
+        plan = self.plans[attn.layer]
+        attn.sow(nnx.Intermediate, "cache", cache_lib.from_prompt(plan, k_BPKE, v_BPKE))
+        return attend_prompt(plan, attn, q_BPHE, k_BPKE, v_BPKE)
+
+
+class TokenMode(NamedTuple):
+    """The mode of one decoding step at ``pos``: each layer reads its ``cache`` entry as
+    ``attend_token`` and records the entry with this position written (``sow`` "cache")."""
+
+    plans: tuple[LayerPlan, ...]
+    cache: tuple[KV, ...]
+    pos: Array
+
+    def __call__(self, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, x_B1D: Array) -> Array:
+        plan, kv = self.plans[attn.layer], self.cache[attn.layer]
+        out_B1HE = attend_token(plan, attn, q_B1HE, k_B1KE, v_B1KE, kv, self.pos)
+        attn.sow(nnx.Intermediate, "cache", cache_lib.write_token(kv, k_B1KE, v_B1KE, self.pos, after=out_B1HE, block_size=plan.block_size))
+        return out_B1HE

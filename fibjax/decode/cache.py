@@ -81,6 +81,9 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     acfg = attn.cfg.attention
     if acfg.kind == "dense":
         return LayerPlan("full", max_len, max_len)
+    if acfg.kind == "block_sparse" and acfg.block_rank != "mean_key":
+        raise NotImplementedError(f"decoding ranks blocks by mean_key only; this layer uses block_rank={acfg.block_rank!r} "
+                                  "(fibjax/decode/attend.py, _selected_rows)")
     if acfg.kind == "block_sparse":
         return LayerPlan("blocks", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
     if acfg.kind != "offset":

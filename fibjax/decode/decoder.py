@@ -1,8 +1,9 @@
 """Incremental decoding of a ``fibjax.model.Transformer``: prefill a prompt, then one token a step.
 
-The decoder reuses the model's own submodules (embedding, norms, projections, RoPE, MLP) and
-replaces only attention: the prompt through the library's paths, each new token against the
-per-layer cache (``cache.py`` says what is cached, ``attend.py`` how it is read). RoPE positions
+The decoder runs the model's own blocks (``Transformer.hidden``) with a layer mode in place of
+attention (``attend.PromptMode``, ``attend.TokenMode``): the prompt through the library's paths,
+each new token against the per-layer cache (``cache.py`` says what is cached, ``attend.py`` how
+it is read). RoPE positions
 are absolute. The capacity ``max_len`` fixes every cache shape, and the position is a traced
 argument, so the step compiles once per (capacity, batch, sampler) and never per token
 (``traces`` counts the traces). Rows of a batch share one length (no padding).
@@ -23,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from fibjax.decode import cache as cache_lib
-from fibjax.decode.attend import attend_prompt, attend_token
+from fibjax.decode.attend import PromptMode, TokenMode
 from fibjax.decode.sampling import GREEDY, Sampler
 
 Array = jax.Array
@@ -45,32 +46,25 @@ class Decoder:
 
     def _prefill_fn(self, state, tokens_BP: Array, key: Array, sampler: Sampler):
         self.traces["prefill"] += 1
-        model = nnx.merge(self.graphdef, state)
         b, p = tokens_BP.shape
         positions_BP = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        x_BPD, cache = model.embed(tokens_BP), []
-        for block, plan in zip(model.blocks, self.plans):
-            q, k, v = block.attn.qkv(block.attn_norm(x_BPD), positions_BP)
-            x_BPD = x_BPD + block.attn.o_proj(attend_prompt(plan, block.attn, q, k, v).reshape(b, p, -1))
-            x_BPD = x_BPD + block.mlp(block.mlp_norm(x_BPD))
-            cache.append(cache_lib.from_prompt(plan, k, v))
-        logits_BV = model.logits(x_BPD[:, -1:])[:, 0]
-        return tuple(cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, p))
+        x_BPD, cache = self._blocks(state, tokens_BP, positions_BP, PromptMode(self.plans))
+        logits_BV = nnx.merge(self.graphdef, state).logits(x_BPD[:, -1:])[:, 0]
+        return cache, logits_BV, sampler(logits_BV, jax.random.fold_in(key, p))
 
     def _step_fn(self, state, cache: cache_lib.Cache, tokens_B: Array, pos: Array, key: Array, sampler: Sampler):
         self.traces["step"] += 1
+        positions_B1 = jnp.full((tokens_B.shape[0], 1), pos, jnp.int32)
+        x_B1D, new_cache = self._blocks(state, tokens_B[:, None], positions_B1, TokenMode(self.plans, cache, pos))
+        logits_BV = nnx.merge(self.graphdef, state).logits(x_B1D)[:, 0]
+        return new_cache, logits_BV, sampler(logits_BV, jax.random.fold_in(key, pos + 1))
+
+    def _blocks(self, state, tokens_BT: Array, positions_BT: Array, mode) -> tuple[Array, cache_lib.Cache]:
+        """The model's own blocks (``Transformer.hidden``) with ``mode`` in place of attention:
+        the residual stream and every layer's cache entry, as the mode recorded it."""
         model = nnx.merge(self.graphdef, state)
-        b = tokens_B.shape[0]
-        positions_B1 = jnp.full((b, 1), pos, jnp.int32)
-        x_B1D, new_cache = model.embed(tokens_B[:, None]), []
-        for block, plan, kv in zip(model.blocks, self.plans, cache):
-            q, k, v = block.attn.qkv(block.attn_norm(x_B1D), positions_B1)
-            out_B1HE = attend_token(plan, block.attn, q, k, v, kv, pos)
-            new_cache.append(cache_lib.write_token(kv, k, v, pos, after=out_B1HE, block_size=plan.block_size))
-            x_B1D = x_B1D + block.attn.o_proj(out_B1HE.reshape(b, 1, -1))
-            x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
-        logits_BV = model.logits(x_B1D)[:, 0]
-        return tuple(new_cache), logits_BV, sampler(logits_BV, jax.random.fold_in(key, pos + 1))
+        x_BTD, sown = nnx.capture(lambda m: m.hidden(tokens_BT, positions_BT, mode=mode), nnx.Intermediate)(model)
+        return x_BTD, tuple(sown["blocks"][i]["attn"]["cache"][0] for i in range(len(self.plans)))
 
     # --- the public calls -----------------------------------------------------------------
 

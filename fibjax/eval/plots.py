@@ -53,6 +53,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
             ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
+            ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p, styles)),
         ):
             if fn(out / name):
                 made.append((title, out / name))
@@ -314,3 +315,27 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
         ax.set_title(name)
         ax.set_xlabel("training step")
     return _finish_panels(fig, axes, "validation NLL at the training length", "Validation loss during training", path)
+
+
+def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    """Paper B's law: per run (one panel each), ||o - o_dense|| against the dropped mass of
+    sampled queries of every layer, at the first dataset's training length, with the fitted line."""
+    panels = []
+    for r in runs:
+        by_length = next(iter(r.report.get("error_law", {}).values()), {})
+        layers = by_length.get(str(r.train_len)) or (next(iter(by_length.values())) if by_length else None)
+        if layers:
+            panels.append((r, layers))
+    if not panels:
+        return False
+    fig, axes = _dataset_panels(len(panels))
+    for ax, (r, layers) in zip(axes.flat, panels):
+        mass = np.concatenate([x["points"]["mass"] for x in layers])
+        error = np.concatenate([x["points"]["error"] for x in layers])
+        ax.scatter(mass, error, s=6, alpha=0.35, color=styles[r.label].color, label=r.label)
+        slope = float(np.mean([x["slope"] for x in layers]))
+        top = float(mass.max()) if mass.size else 1.0
+        ax.plot([0, top], [0, slope * top], color=GUIDE, linestyle="--", linewidth=1.2, label="fit (mean slope)")
+        ax.set_title(f"{r.label}: slope {slope:.2f}, min R$^2$ {min(x['r2'] for x in layers):.2f}")
+        ax.set_xlabel("dropped mass")
+    return _finish_panels(fig, axes, "||o - o_dense||", "Attention error vs dropped mass, every layer (paper B)", path)

@@ -9,6 +9,7 @@ Input: one or more run directories, each with ``RUN/eval/<step>.json`` (written 
 - ``posloss.csv``  NLL in position bins at the training length, and the gap to a reference run
 - ``alpha.csv``    alpha per layer (learned runs: the learned value and its initial value)
 - ``new_distances.csv`` per layer and length, distances never attended at the training length
+- ``error_law.csv`` per layer: attention error vs dropped mass (runs evaluated with --dropped-mass)
 - ``*.png``        the plots of ``fibjax.eval.plots``; ``report.md`` holds all of it.
 """
 
@@ -318,6 +319,29 @@ def new_distance_table(runs: list[RunEval]) -> Table:
     return Table("new_distances", "Distances never attended in training", header, rows, ["run", "length", "layer", "new_distances"], csv_rows, notes)
 
 
+def error_law_table(runs: list[RunEval]) -> Table | None:
+    """Paper B's law per run, dataset and length: mean dropped mass, the fitted slope of
+    ||o - o_dense|| on the dropped mass (mean over layers), the worst layer's R^2, and how many
+    queries broke the bound 2 m max||v|| (``launch.eval --dropped-mass``)."""
+    with_law = [r for r in runs if "error_law" in r.report]
+    if not with_law:
+        return None
+    header = ["run", "dataset", "length", "mean dropped mass", "slope (mean of layers)", "min R^2", "bound violations", "queries"]
+    rows, csv_rows = [], []
+    for r in with_law:
+        for name, by_length in r.report["error_law"].items():
+            for length, layers in sorted(by_length.items(), key=lambda kv: int(kv[0])):
+                rows.append([r.label, name, length, _num(sum(x["mean_mass"] for x in layers) / len(layers), 4),
+                             _num(sum(x["slope"] for x in layers) / len(layers), 3), _num(min(x["r2"] for x in layers), 3),
+                             str(sum(x["bound_violations"] for x in layers)), str(sum(x["queries"] for x in layers))])
+                csv_rows += [[r.label, name, int(length), i, x["mean_mass"], x["slope"], x["r2"], x["bound_violations"], x["queries"]]
+                             for i, x in enumerate(layers)]
+    notes = ["Per query and head: error = ||o - o_dense|| (the layer's own attention against dense, same q, k, v), m = dropped mass; "
+             "slope = least squares of error = c m through the origin; the bound is 2 m max_{j<=i} ||v_j||."]
+    return Table("error_law", "Approximation error vs dropped mass (paper B)", header, rows,
+                 ["run", "dataset", "length", "layer", "mean_mass", "slope", "r2", "bound_violations", "queries"], csv_rows, notes)
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole report
 
@@ -332,6 +356,7 @@ def build_report(paths: list[str | Path], out: str | Path, *, reference: str | N
     ref = find_run(runs, reference) if reference else None
     tables = [matrix_table(runs, datasets), extrap_table(runs, datasets), posloss_table(runs, datasets, ref), alpha_table(runs),
               new_distance_table(runs)]
+    tables += [t for t in (error_law_table(runs),) if t is not None]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = [t.write_csv(out) for t in tables]

@@ -24,6 +24,7 @@ from fibjax.attention import offsets
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
+from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.model import theta_to_alpha
 from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, load_run_config, pinned_tokenizer
@@ -135,13 +136,14 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
     frozen_params, frozen_cfg = frozen_alphas(params, model_cfg, alphas)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
     mesh = eval_mesh(run.cfg)
-    results, masses = {}, {}
+    results, masses, laws = {}, {}, {}
     for name, stream in datasets.items():
         rows = evaluate_lengths(frozen_cfg, frozen_params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens, mesh=mesh)
         results[name] = [r.as_dict() for r in rows]
         if dropped_mass:
             masses[name] = {str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens)
                             for n in lengths}
+            laws[name] = {str(n): error_law(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
     check_finite(run, results)
     report = {
         "run": run.cfg.name, "workdir": str(run.workdir), "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
@@ -152,6 +154,7 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
     }
     if dropped_mass:
         report["dropped_mass"] = masses  # dataset -> length -> per layer, vs dense attention
+        report["error_law"] = laws  # dataset -> length -> per layer: fit of ||o - o_dense|| on the dropped mass
     return report
 
 
@@ -208,9 +211,11 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
     if block_size is not None:
         out.append(f"block_size={block_size}")
     kind = apply_overrides(cfg.model.attention, out).kind
-    if (num_blocks or block_size) and kind != "block_sparse":
+    if (num_blocks or block_size) and kind not in ("block_sparse", "nsa"):
         raise ConfigError(f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
                           "(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)")
+    if block_size and kind == "nsa":
+        raise ConfigError("--block-size: NSA's compression parameters are sized by the trained block size; change --num-blocks only")
     return out
 
 
@@ -342,4 +347,9 @@ def format_table(report: dict) -> str:
     for name, by_length in report.get("dropped_mass", {}).items():
         for length, per_layer in by_length.items():
             lines.append(f"dropped mass vs dense, {name} @ {length}: " + " ".join(f"{m:.3f}" for m in per_layer) + f" (mean {np.mean(per_layer):.3f})")
+    for name, by_length in report.get("error_law", {}).items():
+        for length, layers in by_length.items():
+            lines.append(f"error law, {name} @ {length}: ||o - o_dense|| / dropped mass, slope per layer " + " ".join(f"{x['slope']:.2f}" for x in layers)
+                         + f"; R^2 >= {min(x['r2'] for x in layers):.2f}; bound 2 m max||v|| broken by {sum(x['bound_violations'] for x in layers)}"
+                         f" of {sum(x['queries'] for x in layers)} queries")
     return "\n".join(lines)

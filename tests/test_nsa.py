@@ -1,0 +1,273 @@
+"""NSA attention against the loop-and-mask reference (tests/block_oracle.py), and NSA in the model.
+
+Inputs are dyadic (tests/block_oracle.dyadic_qkv). NSA's ranking goes through exp and a sum of
+probabilities, so it is not exact like MoBA's: the tests check that the float64 reference's
+choice has a clear margin (``selection_margin``) before asking for the same blocks. Tolerances
+(atol = rtol) against the float32 reference: output and lse fp32 2e-5, bf16 3e-2; gradients of
+q, k, v, k_cmp, v_cmp and the gates fp32 1e-4, bf16 8e-2 (tests/oracle.py, as every path).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fibjax.attention import offset_attention
+from fibjax.attention.block_sparse import block_sparse_attention_xla, select_blocks
+from fibjax.attention.nsa import compress_blocks, compressed_attention_xla, nsa_attention, nsa_attention_xla
+from fibjax.config import AttentionConfig, ConfigError, ModelConfig, SSAConfig, apply_overrides, load_config_file
+from fibjax.model import SSAStreams, Transformer
+from tests import block_oracle as bo
+
+KEY = jax.random.PRNGKey(0)
+DTYPES = [jnp.float32, jnp.bfloat16]
+# (batch, T, q heads, kv heads, head dim, block, S, window): ragged tails, GQA, MHA, S above N, W past T,
+# T below one block (nothing compressed)
+CASES = [(2, 45, 6, 2, 8, 4, 3, 5), (1, 64, 4, 1, 16, 8, 4, 9), (2, 33, 2, 2, 4, 5, 2, 0), (1, 21, 4, 2, 8, 3, 9, 40), (1, 5, 2, 1, 4, 8, 2, 3)]
+
+
+def _close(a, b, tol):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+
+
+def _inputs(case, dtype=jnp.float32, seed=0):
+    """q, k, v, compressed k and v (independent of k, v: the function takes any), gates in (0, 1)."""
+    b, t, h, kh, d, block, _, _ = case
+    q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(seed), b, t, h, kh, d, dtype)
+    _, kc, vc = bo.dyadic_qkv(jax.random.PRNGKey(seed + 1), b, t // block, h, kh, d, dtype)
+    gates = jax.random.uniform(jax.random.PRNGKey(seed + 2), (b, t, h, 3))
+    return q, k, v, kc, vc, gates
+
+
+def _kwargs(case):
+    return dict(block_size=case[5], num_blocks=case[6], window=case[7])
+
+
+def test_compression_matches_loops_and_starts_at_the_block_mean():
+    x = bo.dyadic_qkv(KEY, 2, 27, 2, 2, 4)[1]  # T = 27: 3 blocks of 8, the ragged tail dropped
+    ks = jax.random.split(KEY, 3)
+    pos, w_in, w_out = (jax.random.normal(key, shape) for key, shape in zip(ks, [(8, 4), (32, 4), (4, 4)]))
+    got = compress_blocks(x, pos, w_in, w_out)
+    assert got.shape == (2, 3, 2, 4)
+    _close(got, bo.compress_reference(x, pos, w_in, w_out), dict(atol=1e-5, rtol=1e-5))
+    mean = compress_blocks(x, pos, w_in, jnp.zeros((4, 4)))  # the model's initial W_out
+    _close(mean, np.asarray(x[:, :24]).reshape(2, 3, 8, 2, 4).mean(axis=2), dict(atol=1e-6, rtol=0))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_selection_ranks_by_group_summed_compressed_probabilities(case):
+    q, k, _, kc, _, _ = _inputs(case)
+    block, s = case[5], case[6]
+    scores = bo.selection_scores(q, k, block, "nsa_prob", kc)
+    assert bo.selection_margin(scores, block, s) > 1e-5  # no near-tie: float32 must agree
+    idx = select_blocks(q, k, block_size=block, num_blocks=s, block_rank="nsa_prob", rank_keys=kc)
+    want = bo.selected_blocks(q, k, block, s, scores=scores)
+    np.testing.assert_array_equal(bo.indices_to_blocks(idx, want.shape[-1]), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_oracle(dtype, case):
+    q, k, v, kc, vc, gates = _inputs(case, dtype)
+    out, lse = nsa_attention(q, k, v, kc, vc, gates, **_kwargs(case), return_lse=True)
+    ref, ref_lse = bo.nsa_reference(q, k, v, kc, vc, gates, *case[5:])
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+    _close(out, ref, bo.TOL[dtype])
+    _close(lse, ref_lse, bo.TOL[dtype])
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "query_chunk"))
+def _grads(args, w, *, block_size, num_blocks, window, query_chunk=512):
+    f = lambda *a: jnp.sum(nsa_attention_xla(*a, block_size=block_size, num_blocks=num_blocks, window=window,
+                                             query_chunk=query_chunk).astype(jnp.float32) * w)
+    return jax.grad(f, tuple(range(6)))(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES[:2])
+def test_gradients_match_oracle(dtype, case):
+    args = _inputs(case, dtype)
+    w = jax.random.normal(jax.random.PRNGKey(1), args[0].shape)
+    chosen = bo.selected_blocks(*args[:2], case[5], case[6], "nsa_prob", args[3])  # the choice has no gradient
+    f = lambda *a: jnp.sum(bo.nsa_reference(*a, *case[5:], chosen=chosen)[0] * w)
+    ref = jax.jit(jax.grad(f, tuple(range(6))))(*args)
+    for g, r, a in zip(_grads(args, w, **_kwargs(case)), ref, args):
+        assert g.dtype == a.dtype
+        _close(g, r, bo.GRAD_TOL[dtype])
+
+
+def test_query_chunks_change_nothing():
+    """The lax.map paths (several chunks, a padded tail) equal one chunk, forward and backward."""
+    case = CASES[0]
+    args = _inputs(case)
+    w = jax.random.normal(jax.random.PRNGKey(2), args[0].shape)
+    one = nsa_attention_xla(*args, **_kwargs(case), return_lse=True)
+    for chunk in (4, 12):
+        many = nsa_attention_xla(*args, **_kwargs(case), return_lse=True, query_chunk=chunk)
+        for a, r in zip(many, one):
+            _close(a, r, bo.TOL[jnp.float32])
+        for a, r in zip(_grads(args, w, **_kwargs(case), query_chunk=chunk), _grads(args, w, **_kwargs(case))):
+            _close(a, r, bo.GRAD_TOL[jnp.float32])
+
+
+def test_gates_at_extremes_select_one_branch():
+    """One-hot gates give each branch alone, checked against the library's other paths."""
+    case = CASES[0]
+    q, k, v, kc, vc, gates = _inputs(case)
+    block, s, window = case[5:]
+    branches = [
+        compressed_attention_xla(q, kc, vc, block_size=block),
+        block_sparse_attention_xla(q, k, v, block_size=block, num_blocks=s, block_rank="nsa_prob", rank_keys=kc),
+        offset_attention(q, k, v, distances=range(window + 1)),
+    ]
+    _close(branches[0], bo.compressed_reference(q, kc, vc, block), bo.TOL[jnp.float32])
+    assert np.all(np.asarray(branches[0][:, : block - 1]) == 0)  # before the end of block 0: nothing compressed
+    for i, want in enumerate(branches):
+        one_hot = jnp.broadcast_to(jnp.eye(3)[i], gates.shape)
+        _close(nsa_attention(q, k, v, kc, vc, one_hot, **_kwargs(case)), want, bo.TOL[jnp.float32])
+
+
+def test_causality_of_the_function_with_learned_compression():
+    """Changing q, k, v and gates from position p on changes no output before p (the compressed
+    blocks are made from k and v, so a block containing p is hidden until it is complete)."""
+    b, t, h, kh, d, block, s, window = CASES[0]
+    p = 29  # inside block 7 (28 .. 31)
+    ks = jax.random.split(jax.random.PRNGKey(5), 3)
+    weights = [jax.random.normal(key, shape) * 0.3 for key, shape in zip(ks, [(block, d), (block * d, d), (d, d)])]
+
+    def run(q, k, v, gates):
+        return nsa_attention(q, k, v, compress_blocks(k, *weights), compress_blocks(v, *weights), gates, **_kwargs(CASES[0]))
+
+    a_in = _inputs(CASES[0])
+    n_in = _inputs(CASES[0], seed=9)
+    changed = [jnp.concatenate([x[:, :p], n[:, p:]], axis=1) for x, n in zip(a_in, n_in)]
+    a, c = run(*a_in[:3], a_in[5]), run(*changed[:3], changed[5])
+    np.testing.assert_array_equal(np.asarray(a[:, :p]), np.asarray(c[:, :p]))
+    assert not np.allclose(a[:, p:], c[:, p:])
+
+
+def _tiny(kind="nsa", **attention):
+    return ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                       attention=AttentionConfig(kind=kind, block_size=8, num_blocks=2, window=3, **attention))
+
+
+def test_model_is_causal():
+    model = Transformer(_tiny(), rngs=nnx.Rngs(0))
+    params = [v for block in model.blocks for v in jax.tree.leaves(nnx.state(block.attn.nsa, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    for i, var in enumerate(params):  # move off the initial point (P = W_out = 0, gates 1/2), so every part acts
+        var[...] = jax.random.normal(jax.random.PRNGKey(i), var.shape) * 0.3
+    tokens = jax.random.randint(KEY, (2, 40), 0, 64)
+    p = 21
+    other = tokens.at[:, p:].set((tokens[:, p:] + 7) % 64)
+    a, b = model(tokens), model(other)
+    np.testing.assert_array_equal(np.asarray(a[:, :p]), np.asarray(b[:, :p]))
+    assert not np.allclose(a[:, p:], b[:, p:])
+
+
+def test_bad_arguments_raise():
+    case = CASES[0]
+    q, k, v, kc, vc, gates = _inputs(case)
+    with pytest.raises(ValueError, match="k_cmp must be"):
+        nsa_attention(q, k, v, kc[:, :-1], vc, gates, **_kwargs(case))
+    with pytest.raises(ValueError, match="gates must be"):
+        nsa_attention(q, k, v, kc, vc, gates[..., :2], **_kwargs(case))
+    with pytest.raises(ValueError, match="window must be"):
+        nsa_attention(q, k, v, kc, vc, gates, block_size=4, num_blocks=3, window=-1)
+    with pytest.raises(ValueError, match="num_blocks must be"):
+        nsa_attention(q, k, v, kc, vc, gates, block_size=4, num_blocks=0, window=2)
+
+
+def test_config_and_parameters():
+    assert AttentionConfig(kind="nsa").kind == "nsa" and SSAConfig(sparse_kind="nsa").sparse_kind == "nsa"
+    for bad, field in ((dict(kind="nsa2"), "kind"), (dict(block_rank="mean"), "block_rank"), (dict(block_size=0), "block_size")):
+        with pytest.raises(ConfigError, match=field):
+            AttentionConfig(**bad)
+    with pytest.raises(ConfigError, match="sparse_kind"):
+        SSAConfig(sparse_kind="moba")
+    with pytest.raises(ConfigError, match="nsa_params"):
+        apply_overrides(_tiny("dense"), ["attention.nsa_params=3"])
+    shapes = jax.tree.map(lambda x: x.shape, nnx.state(Transformer(_tiny(), rngs=nnx.Rngs(0)).blocks[0].attn.nsa, nnx.Param))
+    assert nnx.to_pure_dict(shapes) == {"gate": {"kernel": (32, 12)},
+                                        **{f"{x}_compress": {"pos": (8, 8), "w_in": (64, 8), "w_out": (8, 8)} for x in "kv"}}
+    assert not hasattr(Transformer(_tiny("dense"), rngs=nnx.Rngs(0)).blocks[0].attn, "nsa")
+    dense = Transformer(_tiny("dense"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="needs NSA parameters"):  # a dense model evaluated with nsa attention
+        dense.blocks[0].attn.attend(*dense.blocks[0].attn.qkv(jnp.zeros((1, 8, 32)), jnp.zeros((1, 8), jnp.int32)), _tiny().attention,
+                                    x_BTD=jnp.zeros((1, 8, 32)))
+
+
+def test_ssa_two_streams_with_an_nsa_sparse_stream():
+    """SSA's layer with ssa.sparse_kind=nsa passes on the chosen stream: the NSA model's output
+    (same parameters) or the dense one's."""
+    tokens = jax.random.randint(KEY, (2, 40), 0, 64)
+    ssa_model = Transformer(_tiny("dense", nsa_params=True), rngs=nnx.Rngs(0))
+    nsa_model = Transformer(_tiny("nsa"), rngs=nnx.Rngs(0))
+    for use_sparse, reference in ((True, nsa_model(tokens)), (False, ssa_model(tokens))):
+        out, sown = nnx.capture(ssa_model, nnx.Intermediate)(tokens, ssa=SSAStreams(_tiny("nsa").attention, jnp.asarray(use_sparse)))
+        np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+        assert len(jax.tree.leaves(sown)) == 2
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    from fibjax import data as data_lib
+
+    out = tmp_path_factory.mktemp("nsa_data") / "embedded"
+    data_lib.prepare_default(out, vocab_size=384)
+    return out
+
+
+SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.vocab_size=384", "seq_len=64",
+         "global_batch=8", "steps=20", "optim.lr=3e-3", "optim.warmup_steps=3", "model.attention.block_size=8", "model.attention.num_blocks=2",
+         "model.attention.window=7", "eval.at_end=false", "checkpoint.every_steps=20", "mesh.data=-1"]
+
+
+@pytest.mark.parametrize("method", ["nsa", "ssa_nsa"])
+def test_short_cpu_runs_learn(method, embedded, tmp_path):
+    from fibjax.train.loop import train
+    from fibjax.train.metrics import read_metrics
+
+    cfg = load_config_file("configs/ssa/cpu_nsa.py")
+    extra = ["model.attention.kind=dense", "model.attention.nsa_params=true", "ssa.enabled=true", "ssa.sparse_kind=nsa"] if method == "ssa_nsa" else []
+    cfg = apply_overrides(cfg, [*SMALL, *extra, f"data.path={embedded}", "data.weights="])
+    result = train(cfg, tmp_path / method, progress=False)
+    assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 0.5
+    rows = read_metrics(tmp_path / method)
+    assert all(("align" in r) == (method == "ssa_nsa") for r in rows)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_paper_shape_initialises_abstractly_and_lowers(platform):
+    import dataclasses
+
+    from fibjax.config import MeshConfig
+    from fibjax.train import sharding, step
+
+    cfg = dataclasses.replace(load_config_file("configs/ssa/paper_nsa.py"), mesh=MeshConfig(data=-1), global_batch=1)
+    mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
+    trainer = step.build(cfg, mesh)
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state["params"]))
+    assert 1.1e9 < n_params < 1.3e9  # the MoBA model's plus 16 x 0.34M for gates and compression
+    batch = jax.ShapeDtypeStruct((1, cfg.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
+    with jax.set_mesh(mesh):
+        lowered = trainer.step.trace(trainer.abstract_state, batch).lower(lowering_platforms=(platform,))
+    assert lowered.as_text()
+
+
+def test_ssa_with_an_nsa_stream_needs_its_parameters_and_budgets_apply_to_nsa():
+    from fibjax.decode.cache import _plan_layer
+    from fibjax.eval.runner import inference_overrides
+
+    cfg = load_config_file("configs/ssa/cpu_nsa.py")
+    with pytest.raises(ConfigError, match="nsa_params"):
+        apply_overrides(cfg, ["model.attention.kind=dense", "ssa.enabled=true", "ssa.sparse_kind=nsa"])
+    assert inference_overrides(cfg, "sparse", num_blocks=2) == ["kind=nsa", "num_blocks=2"]
+    with pytest.raises(ConfigError, match="compression parameters"):
+        inference_overrides(cfg, "sparse", block_size=8)
+    # decoding ranks blocks by mean key only: another rule is refused, never decoded silently
+    moba = Transformer(_tiny("block_sparse", block_rank="nsa_prob"), rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="block_rank='nsa_prob'"):
+        _plan_layer(moba.blocks[0].attn, 64)
