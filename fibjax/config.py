@@ -167,6 +167,9 @@ class DataConfig:
     weights: str = ""
     # vocabulary of the tokenizer trained for the embedded default corpus
     default_vocab_size: int = 2048
+    # the command that prepares ``path`` (the paper recipes set it): a run whose data is missing
+    # fails at start with this command in its message
+    prepare: str = ""
     # Grain read threads per process (0 = read in the main thread)
     worker_count: int = 0
 

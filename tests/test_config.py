@@ -88,3 +88,14 @@ def test_loading_a_config_imports_no_jax():
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_readme_shows_the_commands_the_paper_configs_name():
+    """A paper config without its data fails with a prepare command (fibjax.recipes); the README
+    must show the same commands."""
+    from pathlib import Path
+
+    from fibjax.recipes import PREPARE_PAPER, PREPARE_SSA
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().replace("\\\n", " ").split())
+    assert PREPARE_PAPER in readme and PREPARE_SSA in readme

@@ -356,3 +356,14 @@ def test_an_override_error_names_its_field_once(capsys):
     assert capsys.readouterr().err.strip() == "error: steps: must be >= 1 (got 0)"
     with pytest.raises(ConfigError, match=r"^model\.attention\.window: must be >= 0"):
         apply_overrides(TrainConfig(), ["model.attention.window=-3"])
+
+
+def test_a_paper_config_without_its_data_names_the_command_that_prepares_it(tmp_path, capsys):
+    from launch.train import main
+
+    rc = main(["--config", str(ROOT / "configs" / "paper" / "fib_stagger_w8.py"), "--workdir", str(tmp_path / "run"), "--no-progress",
+               f"data.path={tmp_path / 'data_paper'}"])
+    out = capsys.readouterr()
+    line = assert_one_error(rc, out.out + out.err, "does not exist", "python -m launch.prepare_data --out data/paper", "math=hf:open-web-math")
+    assert "fineweb_edu=hf:HuggingFaceFW/fineweb-edu" in line
+    assert not (tmp_path / "run").exists()  # refused before the workdir was claimed

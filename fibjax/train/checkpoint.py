@@ -36,7 +36,7 @@ SUMS_FILE = "fibjax.sha256.json"
 # where --resume-step moves the steps after the one it resumes from (kept, not deleted)
 SET_ASIDE_DIR = "checkpoints.set_aside"
 # Fields a resumed run may change: how long and how often, not what is trained.
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count")
+RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count", "data.prepare")
 
 
 class CheckpointError(RuntimeError):

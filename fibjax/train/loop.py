@@ -30,7 +30,7 @@ from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.data import DataError
-from fibjax.data.token_files import check_token_ids, free_space, open_tokens
+from fibjax.data.token_files import META_FILE, check_token_ids, free_space, open_tokens
 from fibjax.train import init_from, sharding
 from fibjax.train.checkpoint import (
     Checkpointer,
@@ -90,6 +90,9 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
             for split in source.values():
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
     except DataError as e:
+        if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
+            raise DataError(f"{e}. This config's data comes from (online, Hugging Face datasets, pip install -e \".[hf]\"): "
+                            f"{cfg.data.prepare}") from None
         if cfg.data.path:
             raise
         raise DataError(f"{e} ({data_dir} is the run's copy of the embedded corpus: delete it and run the same command again)") from None
