@@ -1,5 +1,6 @@
 """Every XLA attention path against the oracle (tests/oracle.py), forward and backward."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,3 +227,26 @@ def test_hypothesis_shapes(b, t, kv, g, d, window, alpha, seed):
     _close(interpolated_attention(q, k, v, window=window, base="fibonacci", alpha=alpha), lref, oracle.TOL[jnp.float32])
     dref, _ = oracle.masked_attention(q, k, v, np.tril(np.ones((t, t), bool)))
     _close(dense_attention(q, k, v), dref, oracle.TOL[jnp.float32])
+
+
+class PublicApiUnderAndOutsideJit(chex.TestCase):
+    """Every public path called directly and inside a caller's ``jit`` (chex variants): the same
+    numbers as the oracle, q's shape and dtype, float32 lse."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_paths_match_the_oracle(self):
+        t = 40
+        q, k, v = oracle.random_qkv(KEY, 2, t, 4, 2, 8)
+        ds = attended_distances(window=3, base="fibonacci", alpha=1.0, seq_len=t)
+        paths = {
+            "dense": (lambda q, k, v: dense_attention(q, k, v, return_lse=True), oracle.distance_mask(t, range(t))),
+            "static": (lambda q, k, v: offset_attention(q, k, v, distances=ds, return_lse=True), oracle.distance_mask(t, ds)),
+            "learned at alpha 1": (lambda q, k, v: interpolated_attention(q, k, v, window=3, base="fibonacci", alpha=jnp.float32(1.0),
+                                                                          return_lse=True), oracle.distance_mask(t, ds)),
+        }
+        for name, (fn, mask) in paths.items():
+            out, lse = self.variant(fn)(q, k, v)
+            ref, ref_lse = oracle.masked_attention(q, k, v, mask)
+            chex.assert_shape(out, q.shape)
+            chex.assert_type([out, lse], [q.dtype, jnp.float32])
+            chex.assert_trees_all_close((out, lse), (ref, ref_lse), **oracle.TOL[jnp.float32], custom_message=name)
