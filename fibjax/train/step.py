@@ -28,9 +28,10 @@ State = dict[str, Any]
 
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
     """Mean next-token negative log-likelihood in float32 from logits; with ``weights`` the
-    weighted mean (a probe reads its loss only where the weights are non-zero)."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    return mean_nll(-jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0], weights_BT)
+    weighted mean (a probe reads its loss only where the weights are non-zero). The model's own
+    loss is ``fibjax.model.chunked_nll`` (the same numbers, the logits never whole)."""
+    nll_BT = optax.losses.softmax_cross_entropy_with_integer_labels(logits_BTV.astype(jnp.float32), targets_BT)
+    return mean_nll(nll_BT, weights_BT)
 
 
 def mean_nll(nll_BT: jax.Array, weights_BT: jax.Array | None = None) -> jax.Array:
