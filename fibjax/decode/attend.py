@@ -6,7 +6,7 @@ query reads its attended rows straight from the cache: a gather of |S| rows for 
 (constant work), every row up to the query for dense layers (work grows with the position).
 Scores and softmax follow the full paths: queries pre-scaled in the model dtype, scores and
 probabilities in float32, a learned rung's score interpolated between its near and far keys.
-Letters: B batch, H query heads, K KV heads, G = H/K, E head dim, S attended rows, R rung slots.
+Letters: B batch, H query heads, K KV heads, G = H/K, E head dim, S attended rows, R rung slots, M cache rows.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def _values(p_BKGS: Array, v_BKSE: Array) -> Array:
     return jnp.einsum("bkgs,bkse->bkge", p_BKGS, v_BKSE.astype(p_BKGS.dtype))
 
 
-def _rows(x_BKRE: Array, positions_S: Array) -> Array:
-    """The cached rows of absolute ``positions_S`` (ring index p mod R; callers mask p < 0)."""
-    return jnp.take(x_BKRE, positions_S % x_BKRE.shape[2], axis=2)
+def _rows(x_BKME: Array, positions_S: Array) -> Array:
+    """The cached rows of absolute ``positions_S`` (ring index p mod M; callers mask p < 0)."""
+    return jnp.take(x_BKME, positions_S % x_BKME.shape[2], axis=2)
 
 
 def _selected_rows(plan: LayerPlan, q_B1HE: Array, ksum_BKNE: Array, pos: Array) -> Array:
@@ -71,10 +71,10 @@ def _selected_rows(plan: LayerPlan, q_B1HE: Array, ksum_BKNE: Array, pos: Array)
     return jnp.where(blocks_BKS[..., None] >= 0, rows_BKSJ, -1).reshape(b, kh, -1)
 
 
-def _take_rows(x_BKRE: Array, rows_BKS: Array) -> Array:
+def _take_rows(x_BKME: Array, rows_BKS: Array) -> Array:
     """x's rows per (batch, KV head): [B, K, S, E] (rows outside the cache read row 0; callers mask them)."""
-    idx = jnp.clip(rows_BKS, 0, x_BKRE.shape[2] - 1)
-    return jnp.take_along_axis(x_BKRE, idx[..., None], axis=2)
+    idx = jnp.clip(rows_BKS, 0, x_BKME.shape[2] - 1)
+    return jnp.take_along_axis(x_BKME, idx[..., None], axis=2)
 
 
 def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, kv: KV, pos: Array) -> Array:
@@ -83,7 +83,7 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
 
     Reading the cache before the write (the query's own distance 0 comes from its key) lets XLA
     update the cache in place: reading the written cache made it copy every layer's cache.
-    Every other attended row is older than ``pos``: distances 1..R-1 never reach row pos % R.
+    Every other attended row is older than ``pos``: distances 1..M-1 never reach row pos % M.
     """
     b, _, h, e = q_B1HE.shape
     q_BKGE = group_queries(q_B1HE, kv.k.shape[1])[:, 0]

@@ -20,7 +20,7 @@ Per layer (``LayerPlan``):
   reachable distance lo_max + 1 (the far neighbour) of that alpha, plus one row of margin
   against a one-ulp difference in alpha between the host plan and the jitted step.
 
-Every buffer is capped at L rows (a buffer of L rows never wraps). Letters: B batch, R cache
+Every buffer is capped at L rows (a buffer of L rows never wraps). Letters: B batch, M cache
 rows, K KV heads, E head dim, P prompt length.
 """
 
@@ -58,8 +58,8 @@ class LayerPlan:
 
 
 class KV(NamedTuple):
-    """One layer's cache: k, v [B, K, R, E] (heads before rows: the layout the single-query
-    matmuls read without a transposed copy of the cache); position p is row p % R. Block-sparse
+    """One layer's cache: k, v [B, K, M, E] (heads before rows: the layout the single-query
+    matmuls read without a transposed copy of the cache); position p is row p % M. Block-sparse
     layers also keep ksum [B, K, N, E] float32, the key sum of each completed block."""
 
     k: Array
@@ -119,7 +119,7 @@ def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim
 
 
 def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array, block_size: int = 0) -> KV:
-    """Store the key/value of position ``pos`` (traced) in its row ``pos % R``, once ``after``
+    """Store the key/value of position ``pos`` (traced) in its row ``pos % M``, once ``after``
     (the attention output that read the old cache) is computed; a block-sparse layer's block
     sum is written when ``pos`` completes its block.
 
@@ -144,7 +144,7 @@ def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Arra
 
 
 def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
-    """The cache after a prompt of P tokens: its last min(P, R) positions in rows p % R (and the
+    """The cache after a prompt of P tokens: its last min(P, M) positions in rows p % M (and the
     sums of the prompt's completed blocks)."""
     b, p, kh, e = k_BPKE.shape
     keep = min(p, plan.rows)
