@@ -128,6 +128,17 @@ class NSAParams(nnx.Module):
         return self.k_compress(k_BTKE), self.v_compress(v_BTKE), gates_BTH3
 
 
+class Alpha(nnx.Param):
+    """A layer's learned alpha, held as theta (alpha = 0.5 + sigmoid(theta)): the optimizer finds
+    these by type (``alpha_mask``), to move them at their own learning rate."""
+
+
+def alpha_mask(model: nnx.Module) -> dict:
+    """Pure dict of bools, like the model's parameters: True at its ``Alpha`` parameters."""
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, Alpha), nnx.state(model, nnx.Param), is_leaf=is_var))
+
+
 class Attention(nnx.Module):
     """Projections, RoPE, and the layer's attention path (dense, offsets, blocks, or NSA).
 
@@ -145,7 +156,7 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Linear(h * e, d, kernel_init=_init(out_std, ("heads", "embed")), **lin)
         if cfg.attention.is_learned:
             alpha0 = cfg.attention.layer_alphas(cfg.num_layers)[layer]
-            self.theta = nnx.Param(jnp.asarray(offsets.alpha_to_theta(alpha0), jnp.float32), logical_axes=())
+            self.theta = Alpha(jnp.asarray(offsets.alpha_to_theta(alpha0), jnp.float32), logical_axes=())
         if cfg.attention.kind == "nsa" or cfg.attention.nsa_params:
             self.nsa = NSAParams(cfg, rngs=rngs)
 

@@ -7,11 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
+from fibjax.model import Transformer, alpha_mask
 from fibjax.recipes import MATRIX, attention, paper
 from fibjax.train import sharding, step
-from fibjax.train.optimizer import alpha_mask, decay_mask, lr_schedule
+from fibjax.train.optimizer import decay_mask, lr_schedule
 
 
 def tiny_cfg(**kw) -> TrainConfig:
@@ -60,7 +62,11 @@ def test_optimizer_masks_and_alpha_multiplier():
     params = {"blocks": {0: {"attn": {"theta": jnp.zeros(()), "q_proj": {"kernel": jnp.zeros((4, 4))}}, "attn_norm": {"scale": jnp.ones(4)}}}}
     assert decay_mask(params)["blocks"][0]["attn"]["q_proj"]["kernel"]
     assert not decay_mask(params)["blocks"][0]["attn"]["theta"] and not decay_mask(params)["blocks"][0]["attn_norm"]["scale"]
-    assert alpha_mask(params)["blocks"][0]["attn"]["theta"] and not alpha_mask(params)["blocks"][0]["attn"]["q_proj"]["kernel"]
+    # alphas are found by type (model.Alpha), not by name
+    learned = Transformer(tiny_cfg().model, rngs=nnx.Rngs(0))
+    mask = alpha_mask(learned)
+    assert mask["blocks"][0]["attn"]["theta"] and not mask["blocks"][0]["attn"]["q_proj"]["kernel"]
+    assert sum(jax.tree.leaves(mask)) == tiny_cfg().model.num_layers
     frozen = dataclasses.replace(tiny_cfg(mesh=MeshConfig(data=1)), optim=OptimConfig(lr=1e-2, warmup_steps=2, alpha_lr_multiplier=0.0))
     _, state = run_steps(frozen, jax.devices()[:1], n=2)
     assert float(state["params"]["blocks"][0]["attn"]["theta"]) == 0.0

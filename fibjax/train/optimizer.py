@@ -19,20 +19,14 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return lambda count: inner(count + 1)
 
 
-def _is_alpha(path) -> bool:
-    return getattr(path[-1], "key", None) == "theta"
-
-
 def decay_mask(params):
     """Weight decay on matrices (ndim >= 2): not on norm scales or the alpha scalars (as the reference)."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def alpha_mask(params):
-    return jax.tree_util.tree_map_with_path(lambda path, _: _is_alpha(path), params)
-
-
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int, alpha_mask) -> optax.GradientTransformation:
+    """``alpha_mask``: a tree of bools like the parameters, True at the learned alphas
+    (``fibjax.model.alpha_mask``: found by their type, ``model.Alpha``)."""
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
         optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask),

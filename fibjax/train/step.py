@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fibjax.config import TrainConfig
-from fibjax.model import SSAStreams, Transformer, theta_to_alpha
+from fibjax.model import SSAStreams, Transformer, alpha_mask, theta_to_alpha
 from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
@@ -70,7 +70,7 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
     abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed)))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     param_shardings = sharding.param_shardings(abstract_params, mesh)
-    tx = make_optimizer(cfg.optim, cfg.steps)
+    tx = make_optimizer(cfg.optim, cfg.steps, alpha_mask(abstract_model))
 
     abstract_opt_state = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
     # moments follow their parameter's sharding; counters and the like are replicated
