@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from fibjax import attention as attn_lib
 from fibjax.attention import offsets
-from fibjax.attention.sharded import BATCH_AXES, HEAD_AXIS
+from fibjax.attention.sharded import HEAD_AXIS, batch_axes
 from fibjax.config import AttentionConfig, ModelConfig
 from fibjax.layer_modes import DroppedMassProbe, SSAStreams, smooth_l1, ssa_alignment  # noqa: F401  (public names of fibjax.model)
 
@@ -308,8 +308,8 @@ def batch_sharded(x_BTD: Array) -> Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x_BTD
-    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    if not axes or x_BTD.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = batch_axes(mesh, x_BTD.shape[0])
+    if not axes:
         return x_BTD
     return jax.lax.with_sharding_constraint(x_BTD, PartitionSpec(axes, None, None))
 

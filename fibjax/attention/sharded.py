@@ -20,6 +20,13 @@ BATCH_AXES = ("data", "fsdp")
 HEAD_AXIS = "tensor"
 
 
+def batch_axes(mesh, batch: int) -> tuple[str, ...]:
+    """The mesh's batch axes (size > 1) to split a batch of ``batch`` rows over: all of them when
+    their product divides it, else none (the batch is left whole)."""
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
 def per_shard(fn: Callable, q, k, v, *scalars, return_lse: bool):
     """``fn(q, k, v, *scalars)`` on each shard of the active mesh (the call itself without one).
 
@@ -30,9 +37,7 @@ def per_shard(fn: Callable, q, k, v, *scalars, return_lse: bool):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return fn(q, k, v, *scalars)
-    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-    if q.shape[0] % math.prod(mesh.shape[a] for a in batch):
-        batch = ()
+    batch = batch_axes(mesh, q.shape[0])
     tensor, h, kh = mesh.shape.get(HEAD_AXIS, 1), q.shape[2], k.shape[2]
     q_head = kv_head = None
     if tensor > 1 and kh % tensor == 0:

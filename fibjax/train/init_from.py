@@ -37,6 +37,7 @@ class Source:
     step: int
     cfg: TrainConfig
     tokenizer_sha256: str | None
+    changes: tuple[str, ...]  # the allowed config differences, "field: old -> new"
 
 
 def parse(spec: str) -> tuple[Path, int | None]:
@@ -75,8 +76,8 @@ def locate(cfg: TrainConfig) -> Source:
         raise CheckpointError(f"init_from: {workdir} has no checkpoint yet")
     if step is not None and step not in steps:
         raise CheckpointError(f"init_from: {workdir} has no checkpoint of step {step}; its steps: {steps}")
-    check_compatible(source_cfg, cfg, str(workdir))
-    return Source(workdir, steps[-1] if step is None else step, source_cfg, pinned_tokenizer(workdir))
+    changes = tuple(check_compatible(source_cfg, cfg, str(workdir)))
+    return Source(workdir, steps[-1] if step is None else step, source_cfg, pinned_tokenizer(workdir), changes)
 
 
 def check_tokenizer(source: Source, tokenizer_sha256: str) -> None:

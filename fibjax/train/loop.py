@@ -272,9 +272,8 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     if source:
         state, notes = init_from.initial_state(state, source, mesh)
         if distributed.is_main():
-            changes = init_from.check_compatible(source.cfg, cfg, str(source.workdir))
             print(f"initialised from {source.workdir} step {source.step} (parameters only: a fresh optimizer and data position)"
-                  + "".join(f"\n  changed: {c}" for c in changes) + "".join(f"\n  parameter {n}" for n in notes))
+                  + "".join(f"\n  changed: {c}" for c in source.changes) + "".join(f"\n  parameter {n}" for n in notes))
     writer = MetricsWriter(workdir, resume_step=start)
     schedule = lr_schedule(cfg.optim, cfg.steps)
     fault_step = int(os.environ.get(_FAULT_ENV, "0"))
