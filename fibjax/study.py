@@ -8,6 +8,12 @@ finished run is skipped, an unfinished one resumes from its last checkpoint.
 A run is *done* when its evaluation file ``RUN/eval/<steps>.json`` exists; *running* while
 ``<name>.lock`` beside its directory names a live process; otherwise it is *to do* (from the
 step of its latest checkpoint). The children's output goes to ``<name>.log`` beside it too.
+
+A study outlives the machine it ran on: ``RESULTS/study.json`` (small, committed) keeps every
+finished run's evaluation files and curves. On a machine without a run's directory,
+:func:`restore_recorded` writes them back into it, so the run counts as done and stays in the
+report instead of being trained again (its checkpoints are not kept, so nothing more can be
+evaluated from it there).
 """
 
 from __future__ import annotations
@@ -162,7 +168,8 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
         eta = 0.0 if s.state == "done" else s.eta_s(fallback_tokens_per_s)
         left += eta
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "—"
-        lines.append(f"| {s.run.name} | {s.run.stage} | {s.state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
+        state = f"{s.state} (restored)" if s.state == "done" and (study.run_dir(s.run) / RESTORED).exists() else s.state
+        lines.append(f"| {s.run.name} | {s.run.stage} | {state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
                      f"| {rate} | {_hm(eta) if s.state != 'done' else '—'} |")
     done = sum(s.state == "done" for s in statuses)
     lines.append(f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
@@ -249,6 +256,41 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Results
+
+RESTORED = "RESTORED"  # marker file in a run directory rebuilt from the study's record
+
+
+def restore_recorded(study: Study, say=print) -> list[str]:
+    """Rebuild the directory of every run that ``RESULTS/study.json`` records as done and this
+    machine lacks (eval files plus the recorded curves as metrics.jsonl). A record is used only
+    if it was made with the run's present config and overrides; an existing directory (a local
+    run, finished or not) is never touched. Returns the restored names."""
+    path = Path(study.results) / "study.json"
+    if not path.exists():
+        return []
+    try:
+        recorded = json.loads(path.read_text()).get("runs", {})
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise StudyError(f"{path}: not a study summary ({e}); fix or delete it") from e
+    restored = []
+    for run in study.runs:
+        entry, run_dir = recorded.get(run.name), study.run_dir(run)
+        if not entry or entry.get("state") != "done" or not entry.get("evals") or run_dir.exists():
+            continue
+        cfg = study.train_config(run)
+        if (entry.get("config"), entry.get("overrides"), entry.get("steps")) != (run.config, study.train_overrides(run), cfg.steps):
+            say(f"[{run.name}] {path} records it with another config, overrides or steps; not restored (it will be trained)")
+            continue
+        (run_dir / "eval").mkdir(parents=True)
+        for name, report in entry["evals"].items():
+            (run_dir / "eval" / Path(name).name).write_text(json.dumps(report, indent=1) + "\n")
+        rows = sorted(entry.get("train_curve", []) + entry.get("val_curve", []), key=lambda r: r["step"])
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / RESTORED).write_text(f"rebuilt from {path}: eval files and curves only (training curve every 10 steps), no checkpoints\n")
+        restored.append(run.name)
+    if restored:
+        say(f"restored from {path} (trained elsewhere, no checkpoints here): {', '.join(restored)}")
+    return restored
 
 
 def write_results(study: Study, say=print) -> Path | None:

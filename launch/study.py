@@ -4,6 +4,7 @@ Trains every run of the study in order (each as ``python -m launch.train``), eva
 (``python -m launch.eval``), and rewrites the study's report after each run. Run it again and
 it skips finished runs and resumes unfinished ones from their checkpoints. Long studies: run it
 in the background under ``nice``; ``--status`` says what is done, running and left, with an ETA.
+Runs finished on another machine are restored from the study's committed ``study.json``.
 SIGTERM/SIGINT are passed to the training child, which saves; the study then exits with 3.
 """
 
@@ -23,13 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fibjax.config import ConfigError
-    from fibjax.study import StudyError, StudyStopped, format_status, load_study, run_one, run_status, write_results
+    from fibjax.study import StudyError, StudyStopped, format_status, load_study, restore_recorded, run_one, run_status, write_results
 
     try:
         study = load_study(args.study)
         runs = study.select(args.only.split(",") if args.only else None, args.stage)
         if not runs:
             raise ConfigError(f"no run of {args.study} matches --only {args.only} --stage {args.stage}")
+        restore_recorded(study)
         if args.status:
             print(format_status(study, [run_status(study, r) for r in runs]))
             return 0

@@ -1,0 +1,115 @@
+"""fibjax.study / launch.study: run states, the study's record surviving a new machine, and one
+end-to-end study of two tiny runs (train, evaluate, report, rerun skips)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fibjax.config import ConfigError
+from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, write_results
+from tests.test_report import ATTN, rows_for
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.py")
+
+
+def make_study(tmp_path, overrides=("steps=100",)) -> Study:
+    runs = (StudyRun("dense", TINY, ("model.attention.kind=dense",)), StudyRun("fib", TINY), StudyRun("fib_seed2", TINY, ("seed=2",), stage=2))
+    return Study(name="t", runs=runs, workdir=str(tmp_path / "runs"), results=str(tmp_path / "results"), overrides=overrides, reference="dense")
+
+
+def finish(study: Study, name: str, ppls, step: int = 100):
+    """A run directory as launch.train + launch.eval leave it (eval JSON, metrics with a val curve)."""
+    run_dir = study.run_dir(next(r for r in study.runs if r.name == name))
+    (run_dir / "eval").mkdir(parents=True)
+    report = {"run": name, "step": step, "train_seq_len": 256, "lengths": [256, 512, 1024], "attention": ATTN, "attention_override": False,
+              "alphas": [1.0, 1.0], "datasets": {"fineweb": rows_for(ppls, train_len=256)}}
+    (run_dir / "eval" / f"{step}.json").write_text(json.dumps(report))
+    rows = [{"step": s, "loss": 5.0 - s / 100, "ce": 5.0 - s / 100, "tokens_per_s": 7000.0} for s in range(1, step + 1)]
+    rows += [{"step": s, "val/fineweb": 4.0 - s / 200} for s in (50, 100)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_select_and_states(tmp_path):
+    study = make_study(tmp_path)
+    assert [r.name for r in study.select(stage=1)] == ["dense", "fib"] and [r.name for r in study.select(["fib_seed2"])] == ["fib_seed2"]
+    with pytest.raises(ConfigError, match=r"unknown run\(s\) \['nope'\]"):
+        study.select(["fib", "nope"])
+    with pytest.raises(ConfigError, match="must be unique"):
+        Study(name="t", runs=(StudyRun("a", TINY), StudyRun("a", TINY)))
+    finish(study, "dense", [30.0, 45.0, 90.0])
+    fib = study.run_dir(study.runs[1])
+    fib.mkdir(parents=True)
+    (fib / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 4.0, "tokens_per_s": 5000.0}) + "\n{torn")
+    study.lock(study.runs[2]).write_text(str(os.getpid()))  # a live process holds fib_seed2
+    states = {s.run.name: s for s in (run_status(study, r) for r in study.runs)}
+    assert {n: s.state for n, s in states.items()} == {"dense": "done", "fib": "to do", "fib_seed2": "running"}
+    assert states["fib"].step == 40 and states["fib"].tokens == 40 * 16 * 256
+    table = format_status(study, list(states.values()))
+    assert "| fib | 1 | to do | 40/100 |" in table and "1/3 done" in table
+
+
+def test_the_record_rebuilds_finished_runs_on_a_new_machine(tmp_path, capsys):
+    study = make_study(tmp_path)
+    finish(study, "dense", [30.0, 45.0, 90.0])
+    finish(study, "fib", [32.0, 31.5, 31.2])
+    write_results(study)
+    results = Path(study.results)
+    before = {p.name: p.read_text() for p in results.glob("*.csv")}
+    assert json.loads((results / "study.json").read_text())["runs"]["fib_seed2"]["state"] == "to do"
+
+    import shutil
+
+    shutil.rmtree(study.workdir)  # a new machine: the committed results, no run directories
+    assert restore_recorded(study) == ["dense", "fib"]
+    assert "restored from" in capsys.readouterr().out
+    assert all(run_status(study, r).state == "done" for r in study.runs[:2]) and run_status(study, study.runs[2]).state == "to do"
+    assert (study.run_dir(study.runs[0]) / RESTORED).exists() and "done (restored)" in format_status(study, [run_status(study, study.runs[0])])
+    write_results(study)
+    assert {p.name: p.read_text() for p in results.glob("*.csv")} == before
+    val = [json.loads(line) for line in (study.run_dir(study.runs[1]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in val if "val/fineweb" in r] == [50, 100] and [r["step"] for r in val if "loss" in r][:2] == [10, 20]
+
+    # an existing directory is never touched, and a record made with other settings is not used
+    assert restore_recorded(study) == []
+    shutil.rmtree(study.workdir)
+    changed = make_study(tmp_path, overrides=("steps=100", "optim.lr=0.01"))
+    assert restore_recorded(changed, say=lambda m: print(m)) == []
+    assert "another config, overrides or steps; not restored" in capsys.readouterr().out and not Path(study.workdir).exists()
+
+    (results / "study.json").write_text("{torn")
+    with pytest.raises(StudyError, match="not a study summary"):
+        restore_recorded(study)
+
+
+@pytest.mark.slow
+def test_launch_study_end_to_end(tmp_path):
+    """Two tiny runs through `python -m launch.study`: trained and evaluated as child commands, the
+    report written; run again, both are skipped; --status says done."""
+    small = ["steps=3", "seq_len=32", "global_batch=8", "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+             "data.default_vocab_size=384", "model.vocab_size=384", "eval.max_tokens=1024", "eval.length_multipliers=(1,2)",
+             f"data.path={tmp_path / 'data'}"]
+    from fibjax.data.prepare import prepare_default
+
+    prepare_default(tmp_path / "data", vocab_size=384)  # both runs read one prepared corpus
+    study_file = tmp_path / "study.py"
+    study_file.write_text(
+        "from fibjax.study import Study, StudyRun\n"
+        f"def get_study():\n    return Study(name='e2e', workdir={str(tmp_path / 'runs')!r}, results={str(tmp_path / 'results')!r},\n"
+        f"        overrides={tuple(small)!r}, reference='dense',\n"
+        f"        runs=(StudyRun('dense', {TINY!r}, ('model.attention.kind=dense',)), StudyRun('fib', {TINY!r})))\n")
+    cmd = [sys.executable, "-m", "launch.study", str(study_file)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr + first.stdout
+    summary = json.loads((tmp_path / "results" / "study.json").read_text())
+    assert {n: e["state"] for n, e in summary["runs"].items()} == {"dense": "done", "fib": "done"}
+    assert set(summary["runs"]["fib"]["evals"]) == {"3.json"} and (tmp_path / "results" / "extrap.csv").exists()
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "[dense] done" in again.stdout and "[fib] done" in again.stdout and "training" not in again.stdout
+    status = subprocess.run([*cmd, "--status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "2/2 done" in status.stdout
