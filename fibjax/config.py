@@ -103,6 +103,9 @@ class AttentionConfig:
         return tuple(float(a) for a in self.alpha)
 
 
+REMAT_POLICIES = ("none", "full", "dots")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder-only LM. 0 for head_dim / mlp_hidden means "derive from d_model"."""
@@ -123,7 +126,13 @@ class ModelConfig:
     norm_eps: float = 1e-6
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    # activation checkpointing of each block: none | full (store only the block's input) | dots
+    # (keep the matmul outputs, recompute the rest); true/false are read as full/none
+    remat: bool | str = "none"
+    # run the blocks as one jax.lax.scan over their stacked parameters, so the step compiles
+    # one block whatever the depth (the checkpoint keeps one entry per layer); needs every layer
+    # to run the same program: not staggered or coprime static offsets
+    scan_layers: bool = False
     # positions per chunk of the output projection + loss (0: all at once): memory only, the
     # [batch, seq, vocab] logits are never materialised in the loss or evaluation when > 0
     logits_chunk: int = 0
@@ -144,6 +153,13 @@ class ModelConfig:
         _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0 = no chunking)", self.logits_chunk)
         for name in ("dtype", "param_dtype"):
             _require(getattr(self, name) in ("float32", "bfloat16"), name, "must be float32 or bfloat16", getattr(self, name))
+        if isinstance(self.remat, bool):  # the earlier boolean field: stored run configs still say true/false
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        _require(self.remat in REMAT_POLICIES, "remat", f"must be one of {', '.join(REMAT_POLICIES)}", self.remat)
+        if self.scan_layers and self.attention.kind == "offset" and not self.attention.is_learned:
+            alphas = set(self.attention.layer_alphas(self.num_layers))
+            _require(len(alphas) == 1, "scan_layers", f"needs every layer to run the same program, but alpha={self.attention.alpha!r} gives the "
+                     f"layers {len(alphas)} different static offset sets; use alpha=fixed or learn_alpha, or scan_layers=false", True)
         if not isinstance(self.attention.alpha, str):
             self.attention.layer_alphas(self.num_layers)  # explicit alphas: one per layer
 

@@ -186,7 +186,7 @@ class Attention(nnx.Module):
         acfg = acfg or self.cfg.attention
         t, impl = q_BTHE.shape[1], acfg.implementation
         if acfg.kind == "dense":
-            return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse)
+            return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse, implementation=impl)
         if acfg.kind == "block_sparse":
             return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks,
                                                    block_rank=acfg.block_rank, return_lse=return_lse)
@@ -271,8 +271,10 @@ class Transformer(nnx.Module):
         def run_block(block: Block, x_BTD: Array) -> Array:
             return batch_sharded(block(x_BTD, positions_BT, mode))
 
-        if self.cfg.remat:  # one extra forward per block instead of storing its activations
-            run_block = nnx.remat(run_block)
+        if self.cfg.scan_layers and (mode is None or isinstance(mode, SCANNABLE_MODES)):
+            return scan_blocks(self.blocks, run_block, x_BTD, self.cfg.remat)
+        if self.cfg.remat != "none":  # one extra forward per block instead of storing its activations
+            run_block = nnx.remat(run_block, policy=REMAT[self.cfg.remat])
         for block in self.blocks:
             x_BTD = run_block(block, x_BTD)
         return x_BTD
@@ -312,6 +314,45 @@ def batch_sharded(x_BTD: Array) -> Array:
     if not axes:
         return x_BTD
     return jax.lax.with_sharding_constraint(x_BTD, PartitionSpec(axes, None, None))
+
+
+# What a rematerialised block keeps for its backward pass (None: only its input, jax's default).
+REMAT = {"none": None, "full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+# Modes whose layers differ only in their parameters (the decoder's modes index per-layer caches).
+SCANNABLE_MODES = (SSAStreams, DroppedMassProbe)
+
+
+def scan_blocks(blocks: nnx.List, run_block: Callable[[Block, Array], Array], x_BTD: Array, remat: str = "none") -> Array:
+    """``run_block`` over the blocks as one ``jax.lax.scan``: the per-layer parameters are stacked
+    [L, ...] for the call (the model and its checkpoints keep one entry per layer), so the program
+    holds one block whatever the depth. Every block runs block 0's program (ModelConfig checks
+    the layers allow it). What a layer sows (SSA's loss, the probe's mass) comes out of the scan
+    stacked and is sown again on its own block, so callers read it as from the unrolled loop.
+    ``remat``: a key of REMAT, the block's activation checkpointing."""
+    graphdef, _, rest = nnx.split(blocks[0], nnx.Param, ...)  # rest: what a caller's nnx.capture put on the blocks
+    stacked_L = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(b, nnx.Param) for b in blocks))
+
+    def body(x_BTD: Array, params) -> tuple[Array, dict]:
+        block = nnx.merge(graphdef, params, rest)
+        y_BTD, sown = nnx.capture(run_block, nnx.Intermediate)(block, x_BTD)
+        return y_BTD, nnx.to_pure_dict(sown)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT[remat], prevent_cse=False)  # under scan CSE cannot merge the recomputation
+    x_BTD, sown_L = jax.lax.scan(body, x_BTD, stacked_L)
+    for i, block in enumerate(blocks):
+        _sow_again(block, jax.tree.map(lambda a: a[i], sown_L))
+    return x_BTD
+
+
+def _sow_again(module: nnx.Module, sown: dict) -> None:
+    for name, value in sown.items():
+        child = getattr(module, name, None)
+        if isinstance(child, nnx.Module):
+            _sow_again(child, value)
+        else:
+            for item in value:  # a sown value is the tuple of every sow() under that name
+                module.sow(nnx.Intermediate, name, item)
 
 
 def layer_mode(ssa: SSAStreams | None, probe_dropped_mass: bool, mode: LayerMode | None) -> LayerMode | None:

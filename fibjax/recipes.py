@@ -103,7 +103,7 @@ def ssa_paper(name: str) -> TrainConfig:
     return TrainConfig(
         name=f"ssa_paper_{name}", seed=42, steps=100_000, seq_len=8192, global_batch=16, log_every=50,
         model=ModelConfig(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=2, head_dim=64, mlp_hidden=8192,
-                          rope_theta=5e5, dtype="bfloat16", remat=True, attention=attention),
+                          rope_theta=5e5, dtype="bfloat16", remat="full", attention=attention),
         data=DataConfig(path="data/ssa", prepare=PREPARE_SSA), optim=OptimConfig(lr=3e-4, warmup_steps=2000),
         checkpoint=CheckpointConfig(every_steps=1000, keep=3), ssa=ssa,
     )

@@ -45,7 +45,7 @@ def test_overrides_parse_types_and_name_bad_keys():
     cfg = ModelConfig()
     cfg = apply_overrides(cfg, ["attention.kind=offset", "attention.window=8", "attention.alpha=staggered", "d_model=256", "remat=true"])
     assert cfg.attention.kind == "offset" and cfg.attention.window == 8 and cfg.attention.alpha == "staggered"
-    assert cfg.d_model == 256 and cfg.remat is True
+    assert cfg.d_model == 256 and cfg.remat == "full"  # the boolean form reads as full
     cfg = apply_overrides(cfg, ["attention.base=(1,2,4)", "num_layers=2", "attention.alpha=(0.5,1.5)", "rope_theta=5e5"])
     assert cfg.attention.base == (1, 2, 4) and cfg.attention.alpha == (0.5, 1.5) and cfg.rope_theta == 500000.0
     with pytest.raises(ConfigError, match="attention.windw"):

@@ -9,7 +9,8 @@ log-sum-exp of the scaled scores over the keys the query attended (-inf if none)
 The offset paths take ``implementation``: ``"xla"`` (``offset_xla.py``), ``"pallas"``
 (``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks XLA until the
 kernels have passed their hardware check on a platform (``pallas.backend.PALLAS_BY_DEFAULT``).
-Under a device mesh the kernels run per shard (``sharded.py``).
+Under a device mesh the kernels run per shard (``sharded.py``). Dense attention takes the
+platform's fused kernel by default (``fused.py``: cuDNN on GPU, JAX's Pallas flash on TPU).
 """
 
 from __future__ import annotations
@@ -22,18 +23,28 @@ import numpy as np
 from fibjax.attention import offsets
 from fibjax.attention.common import check_qkv
 from fibjax.attention.dense import dense_attention_xla
+from fibjax.attention.fused import dense_attention_fused
 from fibjax.attention.offset_xla import frozen_interpolated_attention_xla, interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import backend as pallas_backend
 from fibjax.attention.pallas import interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.pallas.backend import IMPLEMENTATIONS
 from fibjax.attention.sharded import per_shard
 
 Array = jax.Array
 
 
-def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False):
-    """Plain causal attention: query i attends every key j <= i."""
+def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False, implementation: str | None = None):
+    """Plain causal attention: query i attends every key j <= i.
+
+    ``implementation``: None (or "pallas") takes the platform's fused kernel where its shape
+    rules hold (cuDNN flash attention on GPU for bf16/fp16, JAX's Pallas flash attention on TPU;
+    ``fibjax.attention.fused``), "xla" the XLA path; CPU and ``return_lse`` always the XLA path."""
     check_qkv(q, k, v)
-    return dense_attention_xla(q, k, v, return_lse=return_lse)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if return_lse or implementation == "xla":
+        return dense_attention_xla(q, k, v, return_lse=return_lse)
+    return dense_attention_fused(q, k, v)
 
 
 def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False, implementation: str | None = None):

@@ -35,8 +35,10 @@ TOKENIZER_PIN = "tokenizer.sha256"
 SUMS_FILE = "fibjax.sha256.json"
 # where --resume-step moves the steps after the one it resumes from (kept, not deleted)
 SET_ASIDE_DIR = "checkpoints.set_aside"
-# Fields a resumed run may change: how long and how often, not what is trained.
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count", "data.prepare")
+# Fields a resumed run may change: how long and how often, and how the same step is computed
+# (layout, activation checkpointing, scanned layers, loss chunks), not what is trained.
+RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count", "data.prepare",
+                     "model.remat", "model.scan_layers", "model.logits_chunk")
 
 
 class CheckpointError(RuntimeError):
