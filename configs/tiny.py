@@ -14,7 +14,11 @@ def get_config() -> TrainConfig:
         global_batch=16,
         log_every=10,
         model=ModelConfig(
-            vocab_size=2048, d_model=128, num_layers=4, num_heads=4, num_kv_heads=2,
+            vocab_size=2048,
+            d_model=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
             attention=AttentionConfig(kind="offset", base="fibonacci", window=8, alpha="staggered", max_rung=255),
         ),
         optim=OptimConfig(lr=3e-3, warmup_steps=30),

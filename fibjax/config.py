@@ -158,8 +158,13 @@ class ModelConfig:
         _require(self.remat in REMAT_POLICIES, "remat", f"must be one of {', '.join(REMAT_POLICIES)}", self.remat)
         if self.scan_layers and self.attention.kind == "offset" and not self.attention.is_learned:
             alphas = set(self.attention.layer_alphas(self.num_layers))
-            _require(len(alphas) == 1, "scan_layers", f"needs every layer to run the same program, but alpha={self.attention.alpha!r} gives the "
-                     f"layers {len(alphas)} different static offset sets; use alpha=fixed or learn_alpha, or scan_layers=false", True)
+            _require(
+                len(alphas) == 1,
+                "scan_layers",
+                f"needs every layer to run the same program, but alpha={self.attention.alpha!r} gives the "
+                f"layers {len(alphas)} different static offset sets; use alpha=fixed or learn_alpha, or scan_layers=false",
+                True,
+            )
         if not isinstance(self.attention.alpha, str):
             self.attention.layer_alphas(self.num_layers)  # explicit alphas: one per layer
 
@@ -197,7 +202,7 @@ class DataConfig:
 
 
 def parse_weights(text: str) -> dict[str, float]:
-    """"a=0.6,b=0.4" -> {"a": 0.6, "b": 0.4}; raises ConfigError naming ``data.weights``."""
+    """ "a=0.6,b=0.4" -> {"a": 0.6, "b": 0.4}; raises ConfigError naming ``data.weights``."""
     out: dict[str, float] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, value = item.partition("=")
@@ -331,8 +336,12 @@ class TrainConfig:
             a = self.model.attention
             _require(a.kind == "dense", "model.attention.kind", "must be dense (the full stream) when ssa.enabled", a.kind)
             _require(not a.learn_alpha and a.alpha != "learned", "model.attention.alpha", "the ssa sparse stream uses static alphas", a.alpha)
-            _require(self.ssa.sparse_kind != "nsa" or a.nsa_params, "model.attention.nsa_params",
-                     "must be true when ssa.sparse_kind=nsa (the dense full stream then carries NSA's gates and compression)", a.nsa_params)
+            _require(
+                self.ssa.sparse_kind != "nsa" or a.nsa_params,
+                "model.attention.nsa_params",
+                "must be true when ssa.sparse_kind=nsa (the dense full stream then carries NSA's gates and compression)",
+                a.nsa_params,
+            )
         _require(self.seq_len >= 2, "seq_len", "must be >= 2", self.seq_len)
         _require(self.global_batch >= 1, "global_batch", "must be >= 1", self.global_batch)
         _require(self.log_every >= 1, "log_every", "must be >= 1", self.log_every)

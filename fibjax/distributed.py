@@ -110,8 +110,7 @@ def initialize() -> None:
     watchdog.start()
     try:
         jax.distributed.initialize(
-            **kwargs, initialization_timeout=init_timeout + _JAX_GRACE_S, heartbeat_timeout_seconds=heartbeat,
-            shutdown_timeout_seconds=heartbeat,
+            **kwargs, initialization_timeout=init_timeout + _JAX_GRACE_S, heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=heartbeat
         )
     except Exception as e:  # bad arguments, or no cluster JAX could detect with FIBJAX_DISTRIBUTED=on
         raise DistributedError(f"{failure} ({type(e).__name__}: {str(e).strip()[:500]})") from e
@@ -145,7 +144,7 @@ def on_main(fn: Callable[[], T], what: str) -> T | None:
         except Exception as e:
             error, message = e, f"{type(e).__name__}: {e}".encode()[:_MESSAGE_BYTES]
     buffer = np.zeros(_MESSAGE_BYTES, np.uint8)
-    buffer[:len(message)] = np.frombuffer(message, np.uint8)
+    buffer[: len(message)] = np.frombuffer(message, np.uint8)
     received = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))).rstrip(b"\0").decode(errors="replace")
     if error is not None:
         raise error

@@ -116,8 +116,7 @@ class NSAParams(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.block_size = cfg.attention.block_size
         init = nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=("embed", "heads"))
-        self.gate = nnx.Linear(cfg.d_model, cfg.num_heads * 3, use_bias=False, kernel_init=init, dtype=cfg.dtype,
-                               param_dtype=cfg.param_dtype, rngs=rngs)
+        self.gate = nnx.Linear(cfg.d_model, cfg.num_heads * 3, use_bias=False, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
         self.k_compress = BlockCompressor(cfg, rngs=rngs)
         self.v_compress = BlockCompressor(cfg, rngs=rngs)
 
@@ -179,8 +178,7 @@ class Attention(nnx.Module):
         inv_freq, mscale = rope_frequencies(e, self.cfg)
         return rope(q_BTHE, positions_BT, inv_freq, mscale), rope(k_BTKE, positions_BT, inv_freq, mscale), v_BTKE
 
-    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, x_BTD: Array | None = None,
-               return_lse: bool = False):
+    def attend(self, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig | None = None, *, x_BTD: Array | None = None, return_lse: bool = False):
         """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's);
         ``x_BTD``, the layer's normed input, makes NSA's gates."""
         acfg = acfg or self.cfg.attention
@@ -188,19 +186,24 @@ class Attention(nnx.Module):
         if acfg.kind == "dense":
             return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse, implementation=impl)
         if acfg.kind == "block_sparse":
-            return attn_lib.block_sparse_attention(q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks,
-                                                   block_rank=acfg.block_rank, return_lse=return_lse)
+            return attn_lib.block_sparse_attention(
+                q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, block_rank=acfg.block_rank, return_lse=return_lse
+            )
         if acfg.kind == "nsa":
             nsa = getattr(self, "nsa", None)
             if nsa is None or nsa.block_size != acfg.block_size:
-                raise ValueError(f"nsa attention with block_size {acfg.block_size} needs NSA parameters built for that block size "
-                                 f"(this layer's: {getattr(nsa, 'block_size', None)}); set model.attention.kind=nsa, or nsa_params=true for SSA")
+                raise ValueError(
+                    f"nsa attention with block_size {acfg.block_size} needs NSA parameters built for that block size "
+                    f"(this layer's: {getattr(nsa, 'block_size', None)}); set model.attention.kind=nsa, or nsa_params=true for SSA"
+                )
             k_cmp, v_cmp, gates = nsa(x_BTD, k_BTKE, v_BTKE)
-            return attn_lib.nsa_attention(q_BTHE, k_BTKE, v_BTKE, k_cmp, v_cmp, gates, block_size=acfg.block_size, num_blocks=acfg.num_blocks,
-                                          window=acfg.window, return_lse=return_lse)
+            return attn_lib.nsa_attention(
+                q_BTHE, k_BTKE, v_BTKE, k_cmp, v_cmp, gates, block_size=acfg.block_size, num_blocks=acfg.num_blocks, window=acfg.window, return_lse=return_lse
+            )
         if acfg.is_interpolated:
-            return attn_lib.interpolated_attention(q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg),
-                                                   return_lse=return_lse, implementation=impl)
+            return attn_lib.interpolated_attention(
+                q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), return_lse=return_lse, implementation=impl
+            )
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), seq_len=t)
         return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds, return_lse=return_lse, implementation=impl)
 
@@ -244,14 +247,21 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(
-            cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
-            embedding_init=_init(cfg.d_model**-0.5, ("vocab", "embed")), rngs=rngs,
+            cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, embedding_init=_init(cfg.d_model**-0.5, ("vocab", "embed")), rngs=rngs
         )
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype)
 
-    def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *, ssa: SSAStreams | None = None,
-                 probe_dropped_mass: bool = False, mode: LayerMode | None = None, targets_BT: Array | None = None) -> Array:
+    def __call__(
+        self,
+        tokens_BT: Array,
+        positions_BT: Array | None = None,
+        *,
+        ssa: SSAStreams | None = None,
+        probe_dropped_mass: bool = False,
+        mode: LayerMode | None = None,
+        targets_BT: Array | None = None,
+    ) -> Array:
         """Logits [B, T, V] float32; with ``targets_BT``, the per-token NLL [B, T] float32 instead,
         computed ``cfg.logits_chunk`` positions at a time so the full logits never exist.
         ``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's

@@ -66,8 +66,13 @@ def make_plan(cfg: TrainConfig, mesh: jax.sharding.Mesh, *, compile: bool = True
             program = trainer.step.lower(state, batch_struct(trainer)).compile()
         seconds = time.perf_counter() - start
         m = program.memory_analysis()
-        compiled = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "alias": m.alias_size_in_bytes,
-                    "temp": m.temp_size_in_bytes, "code": m.generated_code_size_in_bytes}
+        compiled = {
+            "argument": m.argument_size_in_bytes,
+            "output": m.output_size_in_bytes,
+            "alias": m.alias_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+            "code": m.generated_code_size_in_bytes,
+        }
     return Plan(dict(mesh.shape), per_device_bytes(state["params"]), per_device_bytes(state["opt_state"]), rows, compiled, seconds)
 
 
@@ -79,18 +84,26 @@ def gib(n: int | None) -> str:
 
 def format_plan(cfg: TrainConfig, plan: Plan) -> str:
     mesh = " x ".join(f"{k} {v}" for k, v in plan.mesh.items())
-    lines = [f"{cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, "
-             f"seq_len {cfg.seq_len}, global batch {cfg.global_batch}, attention {cfg.model.attention.kind}, "
-             f"remat {cfg.model.remat}, logits_chunk {cfg.model.logits_chunk}",
-             f"mesh: {mesh} ({math.prod(plan.mesh.values())} devices); {plan.batch_rows} batch rows per device",
-             "| per device | bytes |", "|---|---:|",
-             f"| parameters | {gib(plan.params)} |", f"| optimizer state | {gib(plan.opt_state)} |"]
+    lines = [
+        f"{cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, vocab {cfg.model.vocab_size}, "
+        f"seq_len {cfg.seq_len}, global batch {cfg.global_batch}, attention {cfg.model.attention.kind}, "
+        f"remat {cfg.model.remat}, logits_chunk {cfg.model.logits_chunk}",
+        f"mesh: {mesh} ({math.prod(plan.mesh.values())} devices); {plan.batch_rows} batch rows per device",
+        "| per device | bytes |",
+        "|---|---:|",
+        f"| parameters | {gib(plan.params)} |",
+        f"| optimizer state | {gib(plan.opt_state)} |",
+    ]
     if plan.compiled:
         c = plan.compiled
-        lines += [f"| step arguments (state + batch) | {gib(c['argument'])} |", f"| step temporaries (activations, gradients, workspace) | {gib(c['temp'])} |",
-                  f"| step outputs not donated | {gib(max(c['output'] - c['alias'], 0))} |", f"| **peak estimate** | **{gib(plan.total)}** |",
-                  f"compiled for {math.prod(plan.mesh.values())} simulated CPU devices in {plan.compile_s:.1f} s "
-                  "(XLA's CPU memory analysis: an estimate of the accelerator program's)"]
+        lines += [
+            f"| step arguments (state + batch) | {gib(c['argument'])} |",
+            f"| step temporaries (activations, gradients, workspace) | {gib(c['temp'])} |",
+            f"| step outputs not donated | {gib(max(c['output'] - c['alias'], 0))} |",
+            f"| **peak estimate** | **{gib(plan.total)}** |",
+            f"compiled for {math.prod(plan.mesh.values())} simulated CPU devices in {plan.compile_s:.1f} s "
+            "(XLA's CPU memory analysis: an estimate of the accelerator program's)",
+        ]
     else:
         lines.append("not compiled (--no-compile): parameters and optimizer state only")
     return "\n".join(lines)

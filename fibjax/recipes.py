@@ -19,13 +19,17 @@ VARIANTS = ("fib_fixed", "fib_learned", "fib_stagger", "fib_coprime", "pow2_stag
 MATRIX = tuple(f"{v}_w{w}" for w in WINDOWS for v in VARIANTS) + ("pow2_fixed_w8", "dense")
 PAPER_MIXTURE = "fineweb_edu=0.35,wikipedia=0.22,tinystories=0.20,math=0.23"
 # the commands that prepare the paper configs' data (README "Training on real data"; online)
-PREPARE_PAPER = ("python -m launch.prepare_data --out data/paper --vocab-size 32768 --max-tokens 150000000 "
-                 "--source fineweb_edu=hf:HuggingFaceFW/fineweb-edu:sample-10BT --source wikipedia=hf:wikimedia/wikipedia:20231101.en "
-                 "--source tinystories=hf:roneneldan/TinyStories --val tinystories=hf:roneneldan/TinyStories@validation "
-                 "--source math=hf:open-web-math/open-web-math")
-PREPARE_SSA = ("python -m launch.prepare_data --out data/ssa --vocab-size 128256 --max-tokens 1000000000 "
-               "--source fineweb_edu=hf:HuggingFaceTB/smollm-corpus:fineweb-edu-dedup --source cosmopedia=hf:HuggingFaceTB/smollm-corpus:cosmopedia-v2 "
-               "--source python=hf:HuggingFaceTB/smollm-corpus:python-edu")
+PREPARE_PAPER = (
+    "python -m launch.prepare_data --out data/paper --vocab-size 32768 --max-tokens 150000000 "
+    "--source fineweb_edu=hf:HuggingFaceFW/fineweb-edu:sample-10BT --source wikipedia=hf:wikimedia/wikipedia:20231101.en "
+    "--source tinystories=hf:roneneldan/TinyStories --val tinystories=hf:roneneldan/TinyStories@validation "
+    "--source math=hf:open-web-math/open-web-math"
+)
+PREPARE_SSA = (
+    "python -m launch.prepare_data --out data/ssa --vocab-size 128256 --max-tokens 1000000000 "
+    "--source fineweb_edu=hf:HuggingFaceTB/smollm-corpus:fineweb-edu-dedup --source cosmopedia=hf:HuggingFaceTB/smollm-corpus:cosmopedia-v2 "
+    "--source python=hf:HuggingFaceTB/smollm-corpus:python-edu"
+)
 CPU_SEQ_LEN = 256
 _SCHEDULES = {"fixed": "fixed", "learned": "learned", "stagger": "staggered", "coprime": "coprime"}
 
@@ -44,9 +48,15 @@ def attention(name: str, max_rung: int = 0) -> AttentionConfig:
 def paper(name: str) -> TrainConfig:
     """The paper's recipe; data: a prepared mixture in data/paper (see README, "Real data")."""
     return TrainConfig(
-        name=name, seed=42, steps=13_000, seq_len=1024, global_batch=32, log_every=50,
-        model=ModelConfig(vocab_size=32768, d_model=512, num_layers=16, num_heads=8, num_kv_heads=2, rope_theta=1e4,
-                          dtype="bfloat16", attention=attention(name)),
+        name=name,
+        seed=42,
+        steps=13_000,
+        seq_len=1024,
+        global_batch=32,
+        log_every=50,
+        model=ModelConfig(
+            vocab_size=32768, d_model=512, num_layers=16, num_heads=8, num_kv_heads=2, rope_theta=1e4, dtype="bfloat16", attention=attention(name)
+        ),
         data=DataConfig(path="data/paper", weights=PAPER_MIXTURE, prepare=PREPARE_PAPER),
         optim=OptimConfig(lr=3e-4, warmup_steps=300, weight_decay=0.1, clip_norm=1.0),
         checkpoint=CheckpointConfig(every_steps=1000, keep=3),
@@ -59,7 +69,12 @@ def cpu(name: str) -> TrainConfig:
     Fibonacci rungs are bounded by the training length (<= 255: up to 233), so that, as in the
     paper (987 < 1024), every rung at alpha <= 1 was attended in training."""
     return TrainConfig(
-        name=f"cpu_{name}", seed=42, steps=1000, seq_len=CPU_SEQ_LEN, global_batch=16, log_every=10,
+        name=f"cpu_{name}",
+        seed=42,
+        steps=1000,
+        seq_len=CPU_SEQ_LEN,
+        global_batch=16,
+        log_every=10,
         model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention(name, max_rung=CPU_SEQ_LEN - 1)),
         data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
@@ -88,10 +103,17 @@ def ssa_cpu(name: str) -> TrainConfig:
     attention = AttentionConfig(kind="dense", block_size=16, num_blocks=4, window=8, alpha="staggered", max_rung=CPU_SEQ_LEN - 1)
     attention, ssa = _ssa_method(name, attention)
     return TrainConfig(
-        name=f"ssa_cpu_{name}", seed=42, steps=1000, seq_len=CPU_SEQ_LEN, global_batch=16, log_every=10,
+        name=f"ssa_cpu_{name}",
+        seed=42,
+        steps=1000,
+        seq_len=CPU_SEQ_LEN,
+        global_batch=16,
+        log_every=10,
         model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention),
         data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
-        optim=OptimConfig(lr=1e-3, warmup_steps=100), checkpoint=CheckpointConfig(every_steps=250, keep=2), ssa=ssa,
+        optim=OptimConfig(lr=1e-3, warmup_steps=100),
+        checkpoint=CheckpointConfig(every_steps=250, keep=2),
+        ssa=ssa,
     )
 
 
@@ -101,9 +123,27 @@ def ssa_paper(name: str) -> TrainConfig:
     attention = AttentionConfig(kind="dense", block_size=16, num_blocks=16, window=12, alpha="staggered")
     attention, ssa = _ssa_method(name, attention)
     return TrainConfig(
-        name=f"ssa_paper_{name}", seed=42, steps=100_000, seq_len=8192, global_batch=16, log_every=50,
-        model=ModelConfig(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32, num_kv_heads=2, head_dim=64, mlp_hidden=8192,
-                          rope_theta=5e5, dtype="bfloat16", remat="full", attention=attention),
-        data=DataConfig(path="data/ssa", prepare=PREPARE_SSA), optim=OptimConfig(lr=3e-4, warmup_steps=2000),
-        checkpoint=CheckpointConfig(every_steps=1000, keep=3), ssa=ssa,
+        name=f"ssa_paper_{name}",
+        seed=42,
+        steps=100_000,
+        seq_len=8192,
+        global_batch=16,
+        log_every=50,
+        model=ModelConfig(
+            vocab_size=128256,
+            d_model=2048,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=2,
+            head_dim=64,
+            mlp_hidden=8192,
+            rope_theta=5e5,
+            dtype="bfloat16",
+            remat="full",
+            attention=attention,
+        ),
+        data=DataConfig(path="data/ssa", prepare=PREPARE_SSA),
+        optim=OptimConfig(lr=3e-4, warmup_steps=2000),
+        checkpoint=CheckpointConfig(every_steps=1000, keep=3),
+        ssa=ssa,
     )

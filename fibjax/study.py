@@ -161,19 +161,26 @@ def _extra_eval_path(run_dir: Path, step: int, args: tuple[str, ...]) -> Path:
 
 
 def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s: float = 6000.0) -> str:
-    lines = [f"study {study.name}: {study.workdir} -> {study.results}",
-             "| run | stage | state | step | tokens | tok/s | ETA |", "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        f"study {study.name}: {study.workdir} -> {study.results}",
+        "| run | stage | state | step | tokens | tok/s | ETA |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     left = 0.0
     for s in statuses:
         eta = 0.0 if s.state == "done" else s.eta_s(fallback_tokens_per_s)
         left += eta
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "—"
         state = f"{s.state} (restored)" if s.state == "done" and (study.run_dir(s.run) / RESTORED).exists() else s.state
-        lines.append(f"| {s.run.name} | {s.run.stage} | {state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
-                     f"| {rate} | {_hm(eta) if s.state != 'done' else '—'} |")
+        lines.append(
+            f"| {s.run.name} | {s.run.stage} | {state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
+            f"| {rate} | {_hm(eta) if s.state != 'done' else '—'} |"
+        )
     done = sum(s.state == "done" for s in statuses)
-    lines.append(f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
-                 f"(measured tok/s, else {fallback_tokens_per_s:,.0f}; evaluation adds a few minutes a run)")
+    lines.append(
+        f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
+        f"(measured tok/s, else {fallback_tokens_per_s:,.0f}; evaluation adds a few minutes a run)"
+    )
     return "\n".join(lines)
 
 
@@ -211,8 +218,18 @@ def _child(cmd: list[str], log: Path) -> int:
 
 
 def train_command(study: Study, run: StudyRun) -> list[str]:
-    return [sys.executable, "-m", "launch.train", "--config", run.config, "--workdir", str(study.run_dir(run)), "--no-progress",
-            *study.train_overrides(run), "eval.at_end=false"]
+    return [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "--config",
+        run.config,
+        "--workdir",
+        str(study.run_dir(run)),
+        "--no-progress",
+        *study.train_overrides(run),
+        "eval.at_end=false",
+    ]
 
 
 def run_one(study: Study, run: StudyRun, say=print) -> None:
@@ -310,8 +327,15 @@ def write_results(study: Study, say=print) -> Path | None:
     summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}
     for r in study.runs:
         s = run_status(study, r)
-        entry = {"config": r.config, "overrides": study.train_overrides(r), "stage": r.stage, "state": s.state, "step": s.step, "steps": s.steps,
-                 "tokens": s.tokens}
+        entry = {
+            "config": r.config,
+            "overrides": study.train_overrides(r),
+            "stage": r.stage,
+            "state": s.state,
+            "step": s.step,
+            "steps": s.steps,
+            "tokens": s.tokens,
+        }
         if s.state == "done":
             run_dir = study.run_dir(r)
             evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))

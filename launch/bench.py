@@ -28,16 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     defaults = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p = sub.add_parser("attention", help="attention paths, forward and forward+backward (CPU default: about 4 minutes)", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096, 16384], help="sequence lengths")
-    p.add_argument("--paths", default=",".join(attn_bench.default_paths()),
-                   help=f"comma list of {list(attn_bench.PATHS)} (default: those fast here; on CPU the *_pallas rows are interpret mode)")
+    p.add_argument(
+        "--paths",
+        default=",".join(attn_bench.default_paths()),
+        help=f"comma list of {list(attn_bench.PATHS)} (default: those fast here; on CPU the *_pallas rows are interpret mode)",
+    )
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension")
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
-    p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]",
-                   help="the Pallas rows' BlockSizes (default: BlockSizes())")
+    p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
     p = sub.add_parser("formulations", help="the XLA formulations of the static path we chose between", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
@@ -48,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
     p = sub.add_parser("train", help="train-step throughput of configs, side by side (synthetic batches)", **defaults)
-    p.add_argument("--configs", help="comma-separated config files",
-                   default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py")
+    p.add_argument(
+        "--configs",
+        help="comma-separated config files",
+        default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per config")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config")
     args = parser.parse_args(argv)
@@ -79,14 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(paths) - set(attn_bench.PATHS))
     if unknown:
         parser.error(f"unknown path(s) {unknown}; known: {list(attn_bench.PATHS)}")
-    print(f"backend={jax.default_backend()} devices={jax.devices()} dtype={args.dtype} batch={args.batch} "
-          f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats}", flush=True)
+    print(
+        f"backend={jax.default_backend()} devices={jax.devices()} dtype={args.dtype} batch={args.batch} "
+        f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats}",
+        flush=True,
+    )
     blocks = BlockSizes(*args.pallas_blocks) if args.pallas_blocks else BlockSizes()
     print(f"pallas {blocks}", flush=True)
     rows = []
     for seq in args.seq:
-        case = attn_bench.Case(seq_len=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                               block_sizes=blocks)
+        case = attn_bench.Case(
+            seq_len=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, block_sizes=blocks
+        )
         rows.append((case, attn_bench.run(case, paths, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))))
     print(attn_bench.table(rows))
     return 0

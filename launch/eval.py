@@ -51,12 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
     parser.add_argument("--max-tokens", type=_positive, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
-    parser.add_argument("--inference-mode", choices=["full", "sparse"], default=None,
-                        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
+    parser.add_argument(
+        "--inference-mode",
+        choices=["full", "sparse"],
+        default=None,
+        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)",
+    )
     parser.add_argument("--num-blocks", type=_positive, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
     parser.add_argument("--block-size", type=_positive, default=None, help="sparse budget: block size")
-    parser.add_argument("--rope", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="RoPE for this evaluation: theta=, scaling=none|ntk|linear|yarn, factor=, original_len= (yarn)")
+    parser.add_argument(
+        "--rope",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="RoPE for this evaluation: theta=, scaling=none|ntk|linear|yarn, factor=, original_len= (yarn)",
+    )
     parser.add_argument("--tag", type=_tag, default=None, help="write RUN/eval/<step>-<tag>.json (default: a name made from the settings)")
     parser.add_argument("--dropped-mass", action="store_true", help="also report the attention mass each layer drops against dense attention")
     args = parser.parse_args(argv)
@@ -76,9 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.inference_mode or args.num_blocks or args.block_size:
             cfg = load_run_config(args.workdir)
             overrides = runner.inference_overrides(cfg, args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size) + overrides
-        report, path = runner.evaluate_workdir(args.workdir, step_number=args.step, lengths=args.lengths, specs=specs,
-                                               max_tokens=args.max_tokens, attention_overrides=overrides, dropped_mass=args.dropped_mass,
-                                               rope=args.rope, tag=args.tag)
+        report, path = runner.evaluate_workdir(
+            args.workdir,
+            step_number=args.step,
+            lengths=args.lengths,
+            specs=specs,
+            max_tokens=args.max_tokens,
+            attention_overrides=overrides,
+            dropped_mass=args.dropped_mass,
+            rope=args.rope,
+            tag=args.tag,
+        )
     except runner.ReportNotWritten as e:  # the numbers are right: show them, then say where they could not go
         print(runner.format_table(e.report))
         print(f"error: {e}", file=sys.stderr)

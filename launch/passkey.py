@@ -46,15 +46,21 @@ def main(argv: list[str] | None = None) -> int:
             params, model_cfg = run.params, run.cfg.model
         # a learned run's alphas compiled as constants (the static path's cost), as launch.eval does
         params, model_cfg = runner.frozen_alphas(params, model_cfg, runner.layer_alphas(params, model_cfg))
-        result = passkey.passkey_grid(model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
-                                      mesh=runner.eval_mesh(run.cfg))
+        result = passkey.passkey_grid(
+            model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size, mesh=runner.eval_mesh(run.cfg)
+        )
     except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tag = "-".join(a.replace("=", "_") for a in args.attention)
     how = f"{model_cfg.attention.kind} attention" + (f", {' '.join(args.attention)}" if args.attention else "")
-    result.update(run=run.cfg.name, step=run.step, train_seq_len=run.cfg.seq_len, attention_override=args.attention,
-                  title=f"Passkey retrieval: {run.cfg.name} step {run.step}, trained at {run.cfg.seq_len} ({how})")
+    result.update(
+        run=run.cfg.name,
+        step=run.step,
+        train_seq_len=run.cfg.seq_len,
+        attention_override=args.attention,
+        title=f"Passkey retrieval: {run.cfg.name} step {run.step}, trained at {run.cfg.seq_len} ({how})",
+    )
     out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
     paths = passkey.write_passkey_outputs(result, out)
     print(passkey.format_markdown(result))

@@ -46,12 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.data import DataError, TokenizerError, prepare
     from fibjax.data.prepare import DEFAULT_TOKENIZER_CHARS, DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
 
-    parser = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--source", action="append", default=[], metavar="NAME=SPEC", help="a training source (repeatable)")
-    parser.add_argument("--val", action="append", default=[], metavar="NAME=SPEC",
-                        help="validation inputs of a source, or a validation-only source; without it a source holds out --val-fraction")
+    parser.add_argument(
+        "--val",
+        action="append",
+        default=[],
+        metavar="NAME=SPEC",
+        help="validation inputs of a source, or a validation-only source; without it a source holds out --val-fraction",
+    )
     parser.add_argument("--vocab-size", type=int, default=None, help=f"pieces of the tokenizer to train (default {DEFAULT_VOCAB_SIZE})")
     parser.add_argument("--tokenizer", default=None, help="reuse this SentencePiece .model instead of training one")
     parser.add_argument("--max-tokens", type=int, default=None, help="stop each split of each source after this many tokens")
@@ -62,9 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     try:
-        meta = prepare(args.out, _named(args.source), _named(args.val), vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                       max_tokens=args.max_tokens, max_docs=args.max_docs, val_fraction=args.val_fraction,
-                       tokenizer_chars=args.tokenizer_chars, overwrite=args.overwrite, progress=not args.quiet)
+        meta = prepare(
+            args.out,
+            _named(args.source),
+            _named(args.val),
+            vocab_size=args.vocab_size,
+            tokenizer=args.tokenizer,
+            max_tokens=args.max_tokens,
+            max_docs=args.max_docs,
+            val_fraction=args.val_fraction,
+            tokenizer_chars=args.tokenizer_chars,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -40,8 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--soft-width", type=float, default=d.soft_width, help="initial bump width of the soft experiment")
-    parser.add_argument("--alpha-lr-multiplier", type=float, default=d.alpha_lr_multiplier,
-                        help="lr multiplier of the learned alphas (not 1: results go to <experiment>_alr<m>)")
+    parser.add_argument(
+        "--alpha-lr-multiplier",
+        type=float,
+        default=d.alpha_lr_multiplier,
+        help="lr multiplier of the learned alphas (not 1: results go to <experiment>_alr<m>)",
+    )
     parser.add_argument("--plan", action="store_true", help="print the distances and cells, run nothing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the report from the cells on disk")
     parser.add_argument("--no-plots", action="store_true")
@@ -51,18 +55,32 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.probe.cell import run_cell
 
     try:
-        opts = grid.GridOptions(experiments=args.experiments, conditions=args.conditions, depths=args.depths, seq_len=args.seq_len,
-                                window=args.window, band_width=args.band_width, band_centres=args.band_centres,
-                                marked_distances=args.marked_distances, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                                soft_width=args.soft_width, alpha_lr_multiplier=args.alpha_lr_multiplier)
+        opts = grid.GridOptions(
+            experiments=args.experiments,
+            conditions=args.conditions,
+            depths=args.depths,
+            seq_len=args.seq_len,
+            window=args.window,
+            band_width=args.band_width,
+            band_centres=args.band_centres,
+            marked_distances=args.marked_distances,
+            steps=args.steps,
+            batch=args.batch,
+            lr=args.lr,
+            seed=args.seed,
+            soft_width=args.soft_width,
+            alpha_lr_multiplier=args.alpha_lr_multiplier,
+        )
         if args.smoke:
             out = Path(args.out or "runs/probe-smoke")
             spec = grid.smoke_spec(args.seed)
             record = run_cell(spec)
             grid.write_json(grid.cell_path(out, spec), record)
             acc = record["accuracy"]
-            print(f"smoke: {spec.name} at distances {acc['distances']}: accuracy {[round(a, 3) for a in acc['accuracy']]} "
-                  f"(chance {acc['chance']:.2f}) in {record['seconds']['total']:.0f} s")
+            print(
+                f"smoke: {spec.name} at distances {acc['distances']}: accuracy {[round(a, 3) for a in acc['accuracy']]} "
+                f"(chance {acc['chance']:.2f}) in {record['seconds']['total']:.0f} s"
+            )
         else:
             out = Path(args.out or "results/probe")
             print(grid.plan(opts))

@@ -30,10 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass (1 = off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--greedy", action="store_true", help="always the most likely token (same as --temperature 0)")
-    parser.add_argument("--max-context", type=int, default=None,
-                        help="most tokens in all (prompt + new); default: the training length for dense models, none for offset models")
-    parser.add_argument("--inference-mode", choices=["full", "sparse"], default=None,
-                        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)")
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="most tokens in all (prompt + new); default: the training length for dense models, none for offset models"
+    )
+    parser.add_argument(
+        "--inference-mode",
+        choices=["full", "sparse"],
+        default=None,
+        help="full: dense attention; sparse: the run's sparse attention (SSA's sparse stream; MoBA blocks for a dense run)",
+    )
     parser.add_argument("--num-blocks", type=int, default=None, help="sparse budget: blocks per query (with --inference-mode sparse)")
     parser.add_argument("--block-size", type=int, default=None, help="sparse budget: block size")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-document token")
@@ -72,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             print(streamer.push(int(tokens_B[0])), end="", flush=True)
     print(streamer.finish(), flush=True)
     seconds = time.perf_counter() - start
-    print(f"[{run.cfg.name} step {run.step}: {len(ids)} prompt tokens, {count} new in {seconds:.2f} s "
-          f"(including compilation), cache rows per layer {[p.rows for p in decoder.plans]}]", file=sys.stderr)
+    print(
+        f"[{run.cfg.name} step {run.step}: {len(ids)} prompt tokens, {count} new in {seconds:.2f} s "
+        f"(including compilation), cache rows per layer {[p.rows for p in decoder.plans]}]",
+        file=sys.stderr,
+    )
     return 0
 
 

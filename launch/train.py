@@ -33,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Python config file with get_config() (default: configs/tiny.py)")
     parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--resume-step", type=int, default=None, metavar="S",
-                        help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)")
+    parser.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="S",
+        help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)",
+    )
     parser.add_argument("--coordinator", help="host:port of process 0, for multi-process runs without SLURM or a TPU pod (sets FIBJAX_COORDINATOR)")
     parser.add_argument("--num-processes", type=int, help="number of processes in the job (sets FIBJAX_NUM_PROCESSES)")
     parser.add_argument("--process-id", type=int, help="this process's index in [0, num-processes) (sets FIBJAX_PROCESS_ID)")
@@ -65,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a full or read-only disk under the metrics, the events or the config
         free = f" ({free_space(e.filename)} free there)" if e.filename else ""
-        print(f"error: could not write {e.filename or 'the run directory'}: {e.strerror or e}{free}; "
-              "the checkpoints already saved are untouched: fix that and run the same command to resume", file=sys.stderr)
+        print(
+            f"error: could not write {e.filename or 'the run directory'}: {e.strerror or e}{free}; "
+            "the checkpoints already saved are untouched: fix that and run the same command to resume",
+            file=sys.stderr,
+        )
         return 2
     eval_file = workdir / "eval" / f"{result.final_step}.json"
     if result.already_done and (eval_file.exists() or not cfg.eval.at_end or jax.process_count() > 1):

@@ -16,6 +16,7 @@ def _wide(x):
     """float32, or float64 when a test enables x64 (for finite differences)."""
     return x.astype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
 
+
 # Forward / gradient tolerances per input dtype (atol, rtol), against this oracle in float32.
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 GRAD_TOL = {jnp.float32: dict(atol=1e-4, rtol=1e-4), jnp.bfloat16: dict(atol=8e-2, rtol=8e-2)}

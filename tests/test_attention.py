@@ -215,8 +215,14 @@ def test_rows_without_keys_are_zero_with_minus_inf_lse():
 
 @settings(max_examples=10, deadline=None)
 @given(
-    b=st.integers(1, 2), t=st.integers(1, 70), kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 3]),
-    d=st.sampled_from([2, 4, 8]), window=st.integers(0, 9), alpha=st.floats(0.5, 1.5), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    t=st.integers(1, 70),
+    kv=st.sampled_from([1, 2]),
+    g=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([2, 4, 8]),
+    window=st.integers(0, 9),
+    alpha=st.floats(0.5, 1.5),
+    seed=st.integers(0, 2**16),
 )
 def test_hypothesis_shapes(b, t, kv, g, d, window, alpha, seed):
     q, k, v = oracle.random_qkv(jax.random.PRNGKey(seed), b, t, kv * g, kv, d)
@@ -241,8 +247,10 @@ class PublicApiUnderAndOutsideJit(chex.TestCase):
         paths = {
             "dense": (lambda q, k, v: dense_attention(q, k, v, return_lse=True), oracle.distance_mask(t, range(t))),
             "static": (lambda q, k, v: offset_attention(q, k, v, distances=ds, return_lse=True), oracle.distance_mask(t, ds)),
-            "learned at alpha 1": (lambda q, k, v: interpolated_attention(q, k, v, window=3, base="fibonacci", alpha=jnp.float32(1.0),
-                                                                          return_lse=True), oracle.distance_mask(t, ds)),
+            "learned at alpha 1": (
+                lambda q, k, v: interpolated_attention(q, k, v, window=3, base="fibonacci", alpha=jnp.float32(1.0), return_lse=True),
+                oracle.distance_mask(t, ds),
+            ),
         }
         for name, (fn, mask) in paths.items():
             out, lse = self.variant(fn)(q, k, v)

@@ -58,7 +58,7 @@ def test_selection_matches_oracle_and_is_ordered(case):
     for bi, i, kv in np.ndindex(b, t, kh):
         rest = idx[bi, i, kv, 1:]
         filled = rest[rest >= 0]
-        assert np.all(rest[len(filled):] == -1)  # empty slots only at the end
+        assert np.all(rest[len(filled) :] == -1)  # empty slots only at the end
         assert len(filled) == min(s - 1, i // block)
         sc = scores[bi, i, kv, filled]
         assert np.all((sc[:-1] > sc[1:]) | ((sc[:-1] == sc[1:]) & (filled[:-1] < filled[1:])))
@@ -233,8 +233,14 @@ def test_dropped_mass_edges():
 
 @settings(max_examples=8, deadline=None)
 @given(
-    b=st.integers(1, 2), t=st.integers(1, 60), kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
-    d=st.sampled_from([2, 8]), block=st.integers(1, 9), s=st.integers(1, 8), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    t=st.integers(1, 60),
+    kv=st.sampled_from([1, 2]),
+    g=st.sampled_from([1, 3]),
+    d=st.sampled_from([2, 8]),
+    block=st.integers(1, 9),
+    s=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
 )
 def test_hypothesis_shapes(b, t, kv, g, d, block, s, seed):
     q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(seed), b, t, kv * g, kv, d)

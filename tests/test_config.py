@@ -82,9 +82,11 @@ def test_loading_a_config_imports_no_jax():
     import subprocess
     import sys
 
-    code = ("import sys, fibjax.config, fibjax.recipes, fibjax.attention.offsets; "
-            "fibjax.config.load_config_file('configs/cpu/fib_stagger_w8.py'); "
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax', 'fibjax.attention.pallas'))))")
+    code = (
+        "import sys, fibjax.config, fibjax.recipes, fibjax.attention.offsets; "
+        "fibjax.config.load_config_file('configs/cpu/fib_stagger_w8.py'); "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax', 'fibjax.attention.pallas'))))"
+    )
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip() == "[]", out.stdout

@@ -15,17 +15,7 @@ import grain
 import numpy as np
 import pytest
 
-from fibjax.data import (
-    DataError,
-    Tokenizer,
-    TokenizerError,
-    load_meta,
-    prepare,
-    prepare_default,
-    train_iterator,
-    train_tokenizer,
-    validation_tokens,
-)
+from fibjax.data import DataError, Tokenizer, TokenizerError, load_meta, prepare, prepare_default, train_iterator, train_tokenizer, validation_tokens
 from fibjax.data.sources import EMBEDDED_SPEC, embedded_documents, is_held_out, read_documents
 from launch import prepare_data
 
@@ -81,9 +71,14 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prepared(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(out, {"fineweb": str(corpus["fineweb"]), "wiki": str(corpus["wiki"])},
-            {"wiki": str(corpus["wiki_val"]), "stories": str(corpus["stories_val"])},
-            vocab_size=1024, val_fraction=0.1, progress=False)
+    prepare(
+        out,
+        {"fineweb": str(corpus["fineweb"]), "wiki": str(corpus["wiki"])},
+        {"wiki": str(corpus["wiki_val"]), "stories": str(corpus["stories_val"])},
+        vocab_size=1024,
+        val_fraction=0.1,
+        progress=False,
+    )
     return out
 
 
@@ -140,9 +135,25 @@ def test_prepare_writes_every_document_once_with_eos(prepared, corpus):
 def test_rerun_is_a_no_op_and_other_inputs_are_refused(prepared, corpus):
     files = sorted(prepared.rglob("*"))
     stamps = [f.stat().st_mtime_ns for f in files]
-    meta = prepare_data.main(["--out", str(prepared), "--source", f"fineweb={corpus['fineweb']}", "--source", f"wiki={corpus['wiki']}",
-                              "--val", f"wiki={corpus['wiki_val']}", "--val", f"stories={corpus['stories_val']}",
-                              "--vocab-size", "1024", "--val-fraction", "0.1", "--quiet"])
+    meta = prepare_data.main(
+        [
+            "--out",
+            str(prepared),
+            "--source",
+            f"fineweb={corpus['fineweb']}",
+            "--source",
+            f"wiki={corpus['wiki']}",
+            "--val",
+            f"wiki={corpus['wiki_val']}",
+            "--val",
+            f"stories={corpus['stories_val']}",
+            "--vocab-size",
+            "1024",
+            "--val-fraction",
+            "0.1",
+            "--quiet",
+        ]
+    )
     assert meta == 0
     assert sorted(prepared.rglob("*")) == files and [f.stat().st_mtime_ns for f in files] == stamps
     with pytest.raises(DataError, match="other inputs.*--overwrite"):
@@ -203,10 +214,16 @@ def test_bad_inputs_are_errors_naming_the_file(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (tmp_path / "doc.csv").write_text("a,b\n")
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
-    cases = [("empty.jsonl", "empty.jsonl.*holds no document"), ("blank.txt", "blank.txt.*holds no document"),
-             ("notext.jsonl", "notext.jsonl:1: expected .*'text'"), ("broken.jsonl", "broken.jsonl:2: not valid JSON"),
-             ("doc.csv", "doc.csv.*unsupported file type"), ("bad.jsonl.gz", "cannot read .*bad.jsonl.gz"),
-             ("missing.jsonl", "missing.jsonl' does not exist"), ("nothing_*.jsonl", "no file matches")]
+    cases = [
+        ("empty.jsonl", "empty.jsonl.*holds no document"),
+        ("blank.txt", "blank.txt.*holds no document"),
+        ("notext.jsonl", "notext.jsonl:1: expected .*'text'"),
+        ("broken.jsonl", "broken.jsonl:2: not valid JSON"),
+        ("doc.csv", "doc.csv.*unsupported file type"),
+        ("bad.jsonl.gz", "cannot read .*bad.jsonl.gz"),
+        ("missing.jsonl", "missing.jsonl' does not exist"),
+        ("nothing_*.jsonl", "no file matches"),
+    ]
     for name, message in cases:
         with pytest.raises(DataError, match=message):
             prepare(out, {"x": str(tmp_path / name)}, vocab_size=512, progress=False)
@@ -325,8 +342,7 @@ def test_mixture_weights_are_respected(prepared):
     meta = load_meta(prepared)
     files = {n: np.fromfile(prepared / n / "train.bin", np.uint16) for n in ("fineweb", "wiki")}
     tokens = {n: meta["sources"][n]["train"]["tokens"] for n in files}
-    for weights, expected in [({"fineweb": 0.8, "wiki": 0.2}, 0.8), ({}, tokens["fineweb"] / sum(tokens.values())),
-                              ({"wiki": 1.0}, 0.0)]:
+    for weights, expected in [({"fineweb": 0.8, "wiki": 0.2}, 0.8), ({}, tokens["fineweb"] / sum(tokens.values())), ({"wiki": 1.0}, 0.0)]:
         rows = np.concatenate(take(train_iterator(prepared, weights, seq_len=24, global_batch=100, seed=11), 6))
         from_fineweb = np.mean([len(window_offsets(files["fineweb"], r)) > 0 for r in rows])
         assert abs(from_fineweb - expected) < 0.06, (weights, from_fineweb, expected)  # 600 draws: sd <= 0.02
@@ -353,8 +369,7 @@ def test_max_tokens_stops_at_the_document_that_reaches_the_budget(corpus, prepar
     out = tmp_path / "budget"
     tok = Tokenizer.load(prepared / "tokenizer.model")
     budget = 60000
-    meta = prepare(out, {"fineweb": str(corpus["fineweb"])}, tokenizer=str(prepared / "tokenizer.model"), max_tokens=budget,
-                   val_fraction=0.1, progress=False)
+    meta = prepare(out, {"fineweb": str(corpus["fineweb"])}, tokenizer=str(prepared / "tokenizer.model"), max_tokens=budget, val_fraction=0.1, progress=False)
     train = meta["sources"]["fineweb"]["train"]
     docs = [d for d in texts_of(corpus["fineweb"]) if not is_held_out(d, 0.1)][: train["documents"]]
     lengths = [len(tok.encode(d)) + 1 for d in docs]

@@ -173,11 +173,18 @@ def run_dir(tmp_path_factory):
     from fibjax.train.loop import train
 
     workdir = tmp_path_factory.mktemp("runs") / "tiny"
-    cfg = TrainConfig(name="tiny", steps=2, seq_len=32, global_batch=8,
-                      model=ModelConfig(vocab_size=384, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                                        attention=AttentionConfig(kind="offset", alpha="staggered", window=4)),
-                      data=DataConfig(default_vocab_size=384), checkpoint=CheckpointConfig(every_steps=2, async_save=False),
-                      eval=EvalConfig(at_end=False))
+    cfg = TrainConfig(
+        name="tiny",
+        steps=2,
+        seq_len=32,
+        global_batch=8,
+        model=ModelConfig(
+            vocab_size=384, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, attention=AttentionConfig(kind="offset", alpha="staggered", window=4)
+        ),
+        data=DataConfig(default_vocab_size=384),
+        checkpoint=CheckpointConfig(every_steps=2, async_save=False),
+        eval=EvalConfig(at_end=False),
+    )
     train(cfg, workdir, progress=False)
     return workdir
 
@@ -208,8 +215,22 @@ def test_sample_streams_a_continuation(run_dir, capsys, tmp_path):
 def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
     """A dense run sampled with --inference-mode sparse: MoBA blocks of the given budget, decoded with block sums."""
     dense = variant(run_dir, tmp_path, lambda c: c["model"]["attention"].update(kind="dense"))
-    rc, out, err = cli(capsys, "--workdir", dense, "--prompt", "The for statement", "--max-new-tokens", 20, "--greedy",
-                       "--inference-mode", "sparse", "--num-blocks", 2, "--block-size", 4)
+    rc, out, err = cli(
+        capsys,
+        "--workdir",
+        dense,
+        "--prompt",
+        "The for statement",
+        "--max-new-tokens",
+        20,
+        "--greedy",
+        "--inference-mode",
+        "sparse",
+        "--num-blocks",
+        2,
+        "--block-size",
+        4,
+    )
     assert rc == 0 and out.startswith("The for statement"), err
     loaded = run_lib.load(dense, attention_overrides=["kind=block_sparse", "num_blocks=2", "block_size=4"])
     assert loaded.model.cfg.attention.kind == "block_sparse" and loaded.model.cfg.attention.num_blocks == 2

@@ -24,8 +24,10 @@ def runs(tmp_path_factory):
     data = root / "data"
     data_lib.prepare_default(data, vocab_size=384)
     out = {}
-    for name, attention in (("dense", ["model.attention.kind=dense"]),
-                            ("fib", ["model.attention.kind=offset", "model.attention.alpha=staggered", "model.attention.window=3"])):
+    for name, attention in (
+        ("dense", ["model.attention.kind=dense"]),
+        ("fib", ["model.attention.kind=offset", "model.attention.alpha=staggered", "model.attention.window=3"]),
+    ):
         cfg = apply_overrides(TrainConfig(), [*TINY, "steps=3", f"data.path={data}", f"name={name}", "eval.max_tokens=1024", *attention])
         train(cfg, root / name, progress=False)
         out[name] = root / name
@@ -153,8 +155,10 @@ def test_errors(runs, tmp_path):
 def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     from launch.eval import main
 
-    assert main(["--workdir", str(runs["dense"]), "--lengths", "32,64", "--inference-mode", "sparse", "--num-blocks", "2",
-                 "--block-size", "8", "--dropped-mass"]) == 0
+    assert (
+        main(["--workdir", str(runs["dense"]), "--lengths", "32,64", "--inference-mode", "sparse", "--num-blocks", "2", "--block-size", "8", "--dropped-mass"])
+        == 0
+    )
     out = capsys.readouterr().out
     path = runs["dense"] / "eval" / next(p.name for p in (runs["dense"] / "eval").iterdir() if "kind_block_sparse" in p.name)
     report = json.loads(path.read_text())
@@ -176,12 +180,19 @@ def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     assert exit_.value.code == 2 and "--num-blocks: must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lengths", "0"], "every length must be >= 8"), (["--lengths", "-5"], "every length must be >= 8"),
-    (["--lengths", "256,0"], "every length must be >= 8"), (["--lengths", "4"], "every length must be >= 8"),
-    (["--lengths", "1x"], "comma-separated integers"), (["--max-tokens", "-5"], "--max-tokens: must be >= 1"),
-    (["--max-tokens", "0"], "--max-tokens: must be >= 1"), (["--step", "0"], "--step: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lengths", "0"], "every length must be >= 8"),
+        (["--lengths", "-5"], "every length must be >= 8"),
+        (["--lengths", "256,0"], "every length must be >= 8"),
+        (["--lengths", "4"], "every length must be >= 8"),
+        (["--lengths", "1x"], "comma-separated integers"),
+        (["--max-tokens", "-5"], "--max-tokens: must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
+        (["--step", "0"], "--step: must be >= 1"),
+    ],
+)
 def test_cli_arguments_are_validated_with_one_error_line(args, message, capsys):
     from launch.eval import main
 

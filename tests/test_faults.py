@@ -173,8 +173,7 @@ def test_a_full_disk_stops_training_at_once_with_one_line_and_keeps_the_last_che
 
 def test_data_preparation_on_a_full_disk_is_one_error_line(small_disk):
     disk = small_disk(200)
-    cmd = [sys.executable, "-m", "launch.prepare_data", "--out", str(disk / "data"), "--source", "docs=embedded:python-docs",
-           "--vocab-size", "384", "--quiet"]
+    cmd = [sys.executable, "-m", "launch.prepare_data", "--out", str(disk / "data"), "--source", "docs=embedded:python-docs", "--vocab-size", "384", "--quiet"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert_one_error(proc.returncode, proc.stdout + proc.stderr, "no space left", str(disk / "data"), "free there")
     assert not (disk / "data" / "meta.json").exists()
@@ -190,7 +189,7 @@ def flip_bytes(step_dir):
     target = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     data = bytearray(target.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 400, 4):
-        data[i - 1:i + 1] = b"\xc0\x7f"
+        data[i - 1 : i + 1] = b"\xc0\x7f"
     target.write_bytes(bytes(data))
 
 
@@ -336,12 +335,15 @@ def test_a_damaged_embedded_corpus_says_to_delete_it_not_to_pass_overwrite(tmp_p
     assert "--overwrite" not in out
 
 
-@pytest.mark.parametrize("body, message", [
-    ("def get_config(:\n    pass\n", "line 1: syntax error"),
-    ("import no_such_module_anywhere\n", "line 1: ModuleNotFoundError"),
-    ("def get_config():\n    x = 1\n", "get_config() returned None"),
-    ("def get_config():\n    return 1 / 0\n", "line 2: ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def get_config(:\n    pass\n", "line 1: syntax error"),
+        ("import no_such_module_anywhere\n", "line 1: ModuleNotFoundError"),
+        ("def get_config():\n    x = 1\n", "get_config() returned None"),
+        ("def get_config():\n    return 1 / 0\n", "line 2: ZeroDivisionError"),
+    ],
+)
 def test_a_broken_config_file_is_one_error_naming_the_file_and_line(tmp_path, body, message):
     path = tmp_path / "broken.py"
     path.write_text(body)
@@ -361,8 +363,16 @@ def test_an_override_error_names_its_field_once(capsys):
 def test_a_paper_config_without_its_data_names_the_command_that_prepares_it(tmp_path, capsys):
     from launch.train import main
 
-    rc = main(["--config", str(ROOT / "configs" / "paper" / "fib_stagger_w8.py"), "--workdir", str(tmp_path / "run"), "--no-progress",
-               f"data.path={tmp_path / 'data_paper'}"])
+    rc = main(
+        [
+            "--config",
+            str(ROOT / "configs" / "paper" / "fib_stagger_w8.py"),
+            "--workdir",
+            str(tmp_path / "run"),
+            "--no-progress",
+            f"data.path={tmp_path / 'data_paper'}",
+        ]
+    )
     out = capsys.readouterr()
     line = assert_one_error(rc, out.out + out.err, "does not exist", "python -m launch.prepare_data --out data/paper", "math=hf:open-web-math")
     assert "fineweb_edu=hf:HuggingFaceFW/fineweb-edu" in line

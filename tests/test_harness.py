@@ -132,16 +132,16 @@ def test_loglikelihood_rolling_equals_perplexity(lm, log_probs):
     text = " ".join(words)
     ids = lm.tok.encode(text)
     [rolling] = lm.loglikelihood_rolling(requests("loglikelihood_rolling", (text,)))
-    [row] = evaluate_lengths(lm.model_cfg, lm.params, np.array([lm.tok.eos_id, *ids]), [lm.max_length], max_tokens=len(ids),
-                             rows_tokens=lm.rows_tokens)
+    [row] = evaluate_lengths(lm.model_cfg, lm.params, np.array([lm.tok.eos_id, *ids]), [lm.max_length], max_tokens=len(ids), rows_tokens=lm.rows_tokens)
     assert row.tokens == len(ids) >= 4 * lm.max_length
     assert rolling == pytest.approx(-row.nll * row.tokens, rel=RTOL)
     # a last, shorter window is scored from its own start like the others (padding reaches nothing)
     tail = " and more words"
     [longer] = lm.loglikelihood_rolling(requests("loglikelihood_rolling", (text + tail,)))
     stream = [lm.tok.eos_id, *lm.tok.encode(text + tail)]
-    want = sum(-log_probs(w[:-1])[np.arange(len(w) - 1), w[1:]].sum()
-               for w in (stream[s : s + lm.max_length + 1] for s in range(0, len(stream) - 1, lm.max_length)))
+    want = sum(
+        -log_probs(w[:-1])[np.arange(len(w) - 1), w[1:]].sum() for w in (stream[s : s + lm.max_length + 1] for s in range(0, len(stream) - 1, lm.max_length))
+    )
     assert longer == pytest.approx(-want, rel=RTOL)
 
 
@@ -204,8 +204,13 @@ def api_result(run_dir, local_tasks):
         for key, value in OFFLINE.items():
             mp.setenv(key, value)
         mp.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read when datasets is imported, maybe earlier
-        return lm_eval.simple_evaluate(model="fibjax", model_args={"workdir": str(run_dir), "max_length": 32}, tasks=["fibjax_cloze", "fibjax_complete"],
-                                       task_manager=TaskManager(include_path=str(local_tasks), include_defaults=False), bootstrap_iters=0)
+        return lm_eval.simple_evaluate(
+            model="fibjax",
+            model_args={"workdir": str(run_dir), "max_length": 32},
+            tasks=["fibjax_cloze", "fibjax_complete"],
+            task_manager=TaskManager(include_path=str(local_tasks), include_defaults=False),
+            bootstrap_iters=0,
+        )
 
 
 def test_simple_evaluate_on_a_local_task(lm, log_probs, api_result, local_tasks):
@@ -228,8 +233,19 @@ def test_simple_evaluate_on_a_local_task(lm, log_probs, api_result, local_tasks)
 def test_command_line(run_dir, local_tasks, api_result, tmp_path):
     """``python -m fibjax.eval.harness`` takes lm-eval's command line with the model implied (and
     batch_size among the model_args), and scores the task as the Python API does."""
-    cmd = [sys.executable, "-m", "fibjax.eval.harness", "--model_args", f"workdir={run_dir},max_length=32,batch_size=4", "--tasks", "fibjax_cloze",
-           "--include_path", str(local_tasks), "--output_path", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fibjax.eval.harness",
+        "--model_args",
+        f"workdir={run_dir},max_length=32,batch_size=4",
+        "--tasks",
+        "fibjax_cloze",
+        "--include_path",
+        str(local_tasks),
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fibjax_cloze" in proc.stdout and "acc" in proc.stdout, proc.stdout

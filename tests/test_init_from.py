@@ -74,16 +74,21 @@ def test_continued_run_starts_where_the_source_ended(tmp_path, source_run, data_
 
 
 def test_learned_alpha_starts_from_its_schedule(tmp_path, source_run, data_dir, capsys):  # noqa: F811
-    rc, out = train_main(capsys, tmp_path / "learned", data_dir, "steps=1", f"init_from={source_run}",
-                         "model.attention.kind=offset", "model.attention.window=4", "model.attention.alpha=learned")
+    rc, out = train_main(
+        capsys,
+        tmp_path / "learned",
+        data_dir,
+        "steps=1",
+        f"init_from={source_run}",
+        "model.attention.kind=offset",
+        "model.attention.window=4",
+        "model.attention.alpha=learned",
+    )
     assert rc == 0, out
     assert "theta (new: initial value)" in out
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("model.d_model=48", "model.d_model: 32 in"),
-    ("model.num_layers=3", "model.num_layers: 2 in"),
-])
+@pytest.mark.parametrize("override, fragment", [("model.d_model=48", "model.d_model: 32 in"), ("model.num_layers=3", "model.num_layers: 2 in")])
 def test_shape_changes_are_refused_before_anything_is_written(tmp_path, source_run, data_dir, capsys, override, fragment):  # noqa: F811
     rc, out = train_main(capsys, tmp_path / "new", data_dir, "steps=2", f"init_from={source_run}", override)
     assert_one_error(rc, out, "init_from", fragment)

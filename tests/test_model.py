@@ -29,8 +29,13 @@ def test_paper_model_has_the_papers_parameter_count():
 
 @pytest.mark.parametrize(
     "attention",
-    [dict(kind="dense"), dict(kind="offset", alpha="staggered", window=4), dict(kind="offset", alpha="coprime", base="pow2", window=2),
-     dict(kind="offset", alpha="learned", window=3), dict(kind="offset", alpha="staggered", learn_alpha=True, window=3)],
+    [
+        dict(kind="dense"),
+        dict(kind="offset", alpha="staggered", window=4),
+        dict(kind="offset", alpha="coprime", base="pow2", window=2),
+        dict(kind="offset", alpha="learned", window=3),
+        dict(kind="offset", alpha="staggered", learn_alpha=True, window=3),
+    ],
 )
 def test_forward_at_1x_and_4x_length(attention):
     model = Transformer(tiny(**attention), rngs=nnx.Rngs(0))
@@ -41,8 +46,14 @@ def test_forward_at_1x_and_4x_length(attention):
 
 
 def test_forward_at_4096_tokens():
-    cfg = ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      attention=AttentionConfig(kind="offset", alpha="staggered", base="pow2", window=8))
+    cfg = ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        attention=AttentionConfig(kind="offset", alpha="staggered", base="pow2", window=8),
+    )
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     logits = nnx.jit(lambda m, x: m(x))(model, jnp.zeros((1, 4096), jnp.int32))
     assert logits.shape == (1, 4096, 256) and np.all(np.isfinite(np.asarray(logits)))
@@ -72,8 +83,7 @@ def test_learned_model_gets_gradient_to_theta_at_alpha_one():
 
 def test_static_layer_uses_the_attended_set_at_run_length():
     """pow2 rungs follow the run length: one layer run at T=256 attends distance 128."""
-    cfg = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                      attention=AttentionConfig(kind="offset", base="pow2", window=2))
+    cfg = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, attention=AttentionConfig(kind="offset", base="pow2", window=2))
     assert 128 in attended_distances(window=2, base="pow2", alpha=1.0, seq_len=256)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     x = jax.random.randint(jax.random.PRNGKey(1), (1, 256), 0, 97)
@@ -123,8 +133,9 @@ def test_rope_scaling_matches_hand_computed_rotations():
 def test_learned_layer_keeps_its_rung_bound():
     """max_rung = 55 reaches a learned layer: at T = 120 and alpha 1.21 the rung 89 (lo 107)
     would be active without it. The oracle bounds its own rung list."""
-    cfg = ModelConfig(vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                      attention=AttentionConfig(kind="offset", alpha="learned", window=3, max_rung=55))
+    cfg = ModelConfig(
+        vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, attention=AttentionConfig(kind="offset", alpha="learned", window=3, max_rung=55)
+    )
     attn = Transformer(cfg, rngs=nnx.Rngs(0)).blocks[0].attn
     attn.theta[...] = jnp.asarray(alpha_to_theta(1.21), jnp.float32)
     q, k, v = attn.qkv(jax.random.normal(jax.random.PRNGKey(3), (1, 120, 32)), jnp.arange(120)[None])

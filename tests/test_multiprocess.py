@@ -186,8 +186,21 @@ def test_a_failure_on_process_0_ends_every_process(tmp_path, data_dir):
 
 
 def test_peers_that_never_connect_are_a_clear_error(tmp_path, data_dir):
-    cmd = [sys.executable, "-m", "launch.train", "--workdir", str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{free_port()}",
-           "--num-processes", "2", "--process-id", "0", *RUN, f"data.path={data_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.train",
+        "--workdir",
+        str(tmp_path / "run"),
+        "--coordinator",
+        f"127.0.0.1:{free_port()}",
+        "--num-processes",
+        "2",
+        "--process-id",
+        "0",
+        *RUN,
+        f"data.path={data_dir}",
+    ]
     with Job(cmd, tmp_path / "alone.log", child_env(FIBJAX_INIT_TIMEOUT="2")) as job:
         rc = job.wait(60)
         out = job.output()
@@ -195,14 +208,17 @@ def test_peers_that_never_connect_are_a_clear_error(tmp_path, data_dir):
     assert "distributed start-up failed" in out and "process 0 of 2" in out and "FIBJAX_INIT_TIMEOUT=2 s" in out, out
 
 
-@pytest.mark.parametrize("env, mode", [
-    ({}, "single"),
-    ({"FIBJAX_COORDINATOR": "10.0.0.1:1234", "FIBJAX_NUM_PROCESSES": "2", "FIBJAX_PROCESS_ID": "1"}, "explicit"),
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, "auto"),
-    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "single"),
-    ({"FIBJAX_DISTRIBUTED": "off", "FIBJAX_COORDINATOR": "10.0.0.1:1234"}, "single"),
-    ({"FIBJAX_DISTRIBUTED": "on"}, "auto"),
-])
+@pytest.mark.parametrize(
+    "env, mode",
+    [
+        ({}, "single"),
+        ({"FIBJAX_COORDINATOR": "10.0.0.1:1234", "FIBJAX_NUM_PROCESSES": "2", "FIBJAX_PROCESS_ID": "1"}, "explicit"),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}, "auto"),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "single"),
+        ({"FIBJAX_DISTRIBUTED": "off", "FIBJAX_COORDINATOR": "10.0.0.1:1234"}, "single"),
+        ({"FIBJAX_DISTRIBUTED": "on"}, "auto"),
+    ],
+)
 def test_launch_mode_from_the_environment(monkeypatch, env, mode):
     for name in [k for k in os.environ if k.startswith(("SLURM_", "FIBJAX_", "TPU_"))]:
         monkeypatch.delenv(name)

@@ -81,8 +81,7 @@ def test_forward_matches_oracle(dtype, case):
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "query_chunk"))
 def _grads(args, w, *, block_size, num_blocks, window, query_chunk=512):
-    f = lambda *a: jnp.sum(nsa_attention_xla(*a, block_size=block_size, num_blocks=num_blocks, window=window,
-                                             query_chunk=query_chunk).astype(jnp.float32) * w)
+    f = lambda *a: jnp.sum(nsa_attention_xla(*a, block_size=block_size, num_blocks=num_blocks, window=window, query_chunk=query_chunk).astype(jnp.float32) * w)
     return jax.grad(f, tuple(range(6)))(*args)
 
 
@@ -150,8 +149,14 @@ def test_causality_of_the_function_with_learned_compression():
 
 
 def _tiny(kind="nsa", **attention):
-    return ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       attention=AttentionConfig(kind=kind, block_size=8, num_blocks=2, window=3, **attention))
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        attention=AttentionConfig(kind=kind, block_size=8, num_blocks=2, window=3, **attention),
+    )
 
 
 def test_model_is_causal():
@@ -190,13 +195,13 @@ def test_config_and_parameters():
     with pytest.raises(ConfigError, match="nsa_params"):
         apply_overrides(_tiny("dense"), ["attention.nsa_params=3"])
     shapes = jax.tree.map(lambda x: x.shape, nnx.state(Transformer(_tiny(), rngs=nnx.Rngs(0)).blocks[0].attn.nsa, nnx.Param))
-    assert nnx.to_pure_dict(shapes) == {"gate": {"kernel": (32, 12)},
-                                        **{f"{x}_compress": {"pos": (8, 8), "w_in": (64, 8), "w_out": (8, 8)} for x in "kv"}}
+    assert nnx.to_pure_dict(shapes) == {"gate": {"kernel": (32, 12)}, **{f"{x}_compress": {"pos": (8, 8), "w_in": (64, 8), "w_out": (8, 8)} for x in "kv"}}
     assert not hasattr(Transformer(_tiny("dense"), rngs=nnx.Rngs(0)).blocks[0].attn, "nsa")
     dense = Transformer(_tiny("dense"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs NSA parameters"):  # a dense model evaluated with nsa attention
-        dense.blocks[0].attn.attend(*dense.blocks[0].attn.qkv(jnp.zeros((1, 8, 32)), jnp.zeros((1, 8), jnp.int32)), _tiny().attention,
-                                    x_BTD=jnp.zeros((1, 8, 32)))
+        dense.blocks[0].attn.attend(
+            *dense.blocks[0].attn.qkv(jnp.zeros((1, 8, 32)), jnp.zeros((1, 8), jnp.int32)), _tiny().attention, x_BTD=jnp.zeros((1, 8, 32))
+        )
 
 
 def test_ssa_two_streams_with_an_nsa_sparse_stream():
@@ -220,9 +225,24 @@ def embedded(tmp_path_factory):
     return out
 
 
-SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.vocab_size=384", "seq_len=64",
-         "global_batch=8", "steps=20", "optim.lr=3e-3", "optim.warmup_steps=3", "model.attention.block_size=8", "model.attention.num_blocks=2",
-         "model.attention.window=7", "eval.at_end=false", "checkpoint.every_steps=20", "mesh.data=-1"]
+SMALL = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.vocab_size=384",
+    "seq_len=64",
+    "global_batch=8",
+    "steps=20",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=3",
+    "model.attention.block_size=8",
+    "model.attention.num_blocks=2",
+    "model.attention.window=7",
+    "eval.at_end=false",
+    "checkpoint.every_steps=20",
+    "mesh.data=-1",
+]
 
 
 @pytest.mark.parametrize("method", ["nsa", "ssa_nsa"])

@@ -93,10 +93,18 @@ def test_ragged_gqa_matches_xla_and_oracle(dtype):
 
 @settings(max_examples=4, deadline=None)
 @given(
-    b=st.integers(1, 2), t=st.integers(1, 60), kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 2, 3]),
-    d=st.sampled_from([4, 8, 16]), window=st.integers(0, 6), alpha=st.floats(0.5, 1.5),
-    base=st.sampled_from(["fibonacci", "pow2", (3, 9, 40)]), dtype=st.sampled_from([F32, BF16]),
-    block_q=st.sampled_from([8, 16, 32]), block_k=st.sampled_from([8, 16, 32]), seed=st.integers(0, 2**16),
+    b=st.integers(1, 2),
+    t=st.integers(1, 60),
+    kv=st.sampled_from([1, 2]),
+    g=st.sampled_from([1, 2, 3]),
+    d=st.sampled_from([4, 8, 16]),
+    window=st.integers(0, 6),
+    alpha=st.floats(0.5, 1.5),
+    base=st.sampled_from(["fibonacci", "pow2", (3, 9, 40)]),
+    dtype=st.sampled_from([F32, BF16]),
+    block_q=st.sampled_from([8, 16, 32]),
+    block_k=st.sampled_from([8, 16, 32]),
+    seed=st.integers(0, 2**16),
 )
 def test_hypothesis_shapes_match_xla_and_oracle(b, t, kv, g, d, window, alpha, base, dtype, block_q, block_k, seed):
     _check_static_and_learned(b, t, kv, g, d, window, alpha, base, dtype, BlockSizes(block_q, block_k), seed)

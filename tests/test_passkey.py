@@ -81,8 +81,7 @@ def test_oracle_scores_one_and_random_scores_zero(tok):
     assert perfect["mean_accuracy"] == 1.0 and np.all(np.asarray(perfect["token_accuracy"]) == 1.0)
     assert all(c["answers"] == [f" {k}" for k in c["keys"]] or [a.strip() for a in c["answers"]] == c["keys"] for c in perfect["cells"])
     rng = np.random.default_rng(0)
-    noise = passkey.passkey_grid(None, None, tok, **grid, batch_size=3,
-                                 predict_fn=lambda params, t: rng.integers(0, tok.vocab_size, t.shape))
+    noise = passkey.passkey_grid(None, None, tok, **grid, batch_size=3, predict_fn=lambda params, t: rng.integers(0, tok.vocab_size, t.shape))
     assert noise["mean_accuracy"] == 0.0 and np.mean(noise["token_accuracy"]) < 0.1
     # the grid is depth x length: an oracle blind to early needles fails exactly the depth-0 row
     half = passkey.passkey_grid(None, None, tok, **grid, predict_fn=retrieval_oracle(tok, fail_below_depth=0.25))
@@ -100,8 +99,7 @@ def test_runs_on_fibjax_models(tok, attention):
 
 
 def test_outputs_are_written(tok, tmp_path):
-    result = passkey.passkey_grid(None, None, tok, [160, 257, 400], [0.0, 0.5, 1.0], trials=4, seed=2,
-                                  predict_fn=retrieval_oracle(tok, fail_below_depth=0.25))
+    result = passkey.passkey_grid(None, None, tok, [160, 257, 400], [0.0, 0.5, 1.0], trials=4, seed=2, predict_fn=retrieval_oracle(tok, fail_below_depth=0.25))
     paths = passkey.write_passkey_outputs({**result, "title": "oracle"}, tmp_path / "out")
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 10_000
     rows = list(csv.DictReader(paths["csv"].open()))

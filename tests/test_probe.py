@@ -142,8 +142,19 @@ def test_grid_defaults_come_from_the_geometry():
 
 
 def test_weighted_loss_reads_only_the_weighted_positions():
-    spec = CellSpec(experiment="t", task="retrieval", condition="fib_learned", depth=2, bands=((3, 5),), seq_len=16, d_model=32,
-                    num_heads=2, num_kv_heads=1, batch=4, steps=3)
+    spec = CellSpec(
+        experiment="t",
+        task="retrieval",
+        condition="fib_learned",
+        depth=2,
+        bands=((3, 5),),
+        seq_len=16,
+        d_model=32,
+        num_heads=2,
+        num_kv_heads=1,
+        batch=4,
+        steps=3,
+    )
     cfg = spec.train_config()
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
     trainer = step.build(cfg, mesh)
@@ -182,8 +193,16 @@ def test_a_dense_model_learns_retrieval_in_the_smoke_cell(smoke_cell):
 
 def test_grid_skips_done_cells_and_the_report_covers_learned_and_marked(smoke_cell, tmp_path, monkeypatch):
     out, _ = smoke_cell
-    opts = grid.GridOptions(experiments=("band", "marked"), conditions=("fib_learned_stagger",), depths=(2,), seq_len=32,
-                            band_centres=(15,), marked_distances=(10, 15), steps=4, batch=4)
+    opts = grid.GridOptions(
+        experiments=("band", "marked"),
+        conditions=("fib_learned_stagger",),
+        depths=(2,),
+        seq_len=32,
+        band_centres=(15,),
+        marked_distances=(10, 15),
+        steps=4,
+        batch=4,
+    )
     calls = []
     real = run_cell
     monkeypatch.setattr(grid, "run_cell", lambda spec, log: calls.append(spec.name) or real(spec, log))

@@ -17,8 +17,16 @@ STAGGER_PPL = [42.02, 41.65, 41.45]
 DENSE_PPL = [33.37, 49.15, 100.36]
 PAPER_GAP = [0.023, 0.039, 0.033, 0.040, 0.033, 0.044, 0.037, 0.037]
 STAGGER_BINS = [3.9, 3.8, 3.75, 3.72, 3.7, 3.69, 3.68, 3.67]
-ATTN = {"kind": "offset", "window": 8, "base": "fibonacci", "alpha": "staggered", "learn_alpha": False,
-        "block_size": 16, "num_blocks": 16, "implementation": None}
+ATTN = {
+    "kind": "offset",
+    "window": 8,
+    "base": "fibonacci",
+    "alpha": "staggered",
+    "learn_alpha": False,
+    "block_size": 16,
+    "num_blocks": 16,
+    "implementation": None,
+}
 
 
 def rows_for(ppls, bins=STAGGER_BINS, train_len=1024, tokens=8192):
@@ -29,8 +37,16 @@ def fake_run(root, name, *, datasets, attention=None, alphas=(0.5, 1.0, 1.5), st
     """A run directory with RUN/eval/<step>[-tag].json and metrics.jsonl, as the trainer writes them."""
     workdir = root / name
     (workdir / "eval").mkdir(parents=True, exist_ok=True)
-    report = {"run": name, "step": step, "train_seq_len": train_len, "lengths": [r["length"] for r in next(iter(datasets.values()))],
-              "attention": attention or ATTN, "attention_override": bool(tag), "alphas": list(alphas), "datasets": datasets}
+    report = {
+        "run": name,
+        "step": step,
+        "train_seq_len": train_len,
+        "lengths": [r["length"] for r in next(iter(datasets.values()))],
+        "attention": attention or ATTN,
+        "attention_override": bool(tag),
+        "alphas": list(alphas),
+        "datasets": datasets,
+    }
     (workdir / "eval" / f"{step}{'-' + tag if tag else ''}.json").write_text(json.dumps(report))
     if metrics:
         loss = 8.0 * np.exp(-np.arange(1, step + 1) / 40) + 3.5 + 0.05 * np.sin(np.arange(step))
@@ -44,11 +60,21 @@ def runs(tmp_path_factory):
     fixed_bins = [b + g for b, g in zip(STAGGER_BINS, PAPER_GAP, strict=True)]
     learned_attn = {**ATTN, "alpha": "learned"}
     return [
-        fake_run(tmp_path, "dense", attention={**ATTN, "kind": "dense"}, alphas=[None] * 3,
-                 datasets={"fineweb": rows_for(DENSE_PPL), "wiki": rows_for([30.0, 45.0, 90.0])}),
+        fake_run(
+            tmp_path,
+            "dense",
+            attention={**ATTN, "kind": "dense"},
+            alphas=[None] * 3,
+            datasets={"fineweb": rows_for(DENSE_PPL), "wiki": rows_for([30.0, 45.0, 90.0])},
+        ),
         fake_run(tmp_path, "fib_stagger", datasets={"fineweb": rows_for(STAGGER_PPL), "wiki": rows_for([37.59, 37.3, 37.2])}),
-        fake_run(tmp_path, "fib_fixed", attention={**ATTN, "alpha": "fixed"}, alphas=[1.0] * 3,
-                 datasets={"fineweb": rows_for([44.08, 43.74, 43.56], fixed_bins), "wiki": rows_for([39.05, 38.8, 38.7], fixed_bins)}),
+        fake_run(
+            tmp_path,
+            "fib_fixed",
+            attention={**ATTN, "alpha": "fixed"},
+            alphas=[1.0] * 3,
+            datasets={"fineweb": rows_for([44.08, 43.74, 43.56], fixed_bins), "wiki": rows_for([39.05, 38.8, 38.7], fixed_bins)},
+        ),
         fake_run(tmp_path, "fib_learned", attention=learned_attn, alphas=[0.97, 1.02, 1.04], datasets={"fineweb": rows_for([43.7, 43.34, 43.15])}),
     ]
 
@@ -180,13 +206,18 @@ def test_runs_without_evaluation_are_skipped_with_a_message(runs, tmp_path, caps
     assert "no evaluated run" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content, match", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"run": "x"}), r"missing \['step'"),
-    (json.dumps({"run": "x", "step": 1, "train_seq_len": 8, "lengths": [8], "attention": {}, "alphas": [], "datasets": {"d": [{"length": 8}]}}),
-     r"datasets\['d'\]\[0\]"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps({"run": "x"}), r"missing \['step'"),
+        (
+            json.dumps({"run": "x", "step": 1, "train_seq_len": 8, "lengths": [8], "attention": {}, "alphas": [], "datasets": {"d": [{"length": 8}]}}),
+            r"datasets\['d'\]\[0\]",
+        ),
+    ],
+)
 def test_malformed_eval_json_is_an_error_naming_the_file(tmp_path, content, match):
     (tmp_path / "bad" / "eval").mkdir(parents=True)
     path = tmp_path / "bad" / "eval" / "3.json"
@@ -226,8 +257,19 @@ def test_report_on_two_tiny_trained_runs(tmp_path):
     from fibjax.train.loop import train
 
     tiny = load_config_file(Path(__file__).resolve().parent.parent / "configs" / "tiny.py")
-    common = ["steps=4", "seq_len=32", "global_batch=8", "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
-              "data.default_vocab_size=384", "model.vocab_size=384", "eval.max_tokens=2048", "eval.length_multipliers=(1,4)"]
+    common = [
+        "steps=4",
+        "seq_len=32",
+        "global_batch=8",
+        "model.d_model=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "data.default_vocab_size=384",
+        "model.vocab_size=384",
+        "eval.max_tokens=2048",
+        "eval.length_multipliers=(1,4)",
+    ]
     dirs = []
     shared_data = [f"data.path={tmp_path / 'dense' / 'data'}"]  # the second run reuses the first run's prepared corpus
     for name, attention in (("dense", ["model.attention.kind=dense"]), ("fib_learned", ["model.attention.alpha=learned", *shared_data])):

@@ -31,8 +31,14 @@ def test_alignment_terms_on_a_hand_built_case():
 
 
 def tiny_model(kind="dense"):
-    return ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       attention=AttentionConfig(kind=kind, block_size=8, num_blocks=2, window=2, alpha="staggered"))
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        attention=AttentionConfig(kind=kind, block_size=8, num_blocks=2, window=2, alpha="staggered"),
+    )
 
 
 @pytest.mark.parametrize("sparse_kind", ["block_sparse", "offset"])
@@ -67,9 +73,23 @@ def embedded(tmp_path_factory):
     return out
 
 
-SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.vocab_size=384", "seq_len=64",
-         "global_batch=8", "steps=30", "optim.lr=3e-3", "optim.warmup_steps=3", "model.attention.block_size=8", "model.attention.num_blocks=2",
-         "eval.at_end=false", "checkpoint.every_steps=30", "mesh.data=-1"]
+SMALL = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.vocab_size=384",
+    "seq_len=64",
+    "global_batch=8",
+    "steps=30",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=3",
+    "model.attention.block_size=8",
+    "model.attention.num_blocks=2",
+    "eval.at_end=false",
+    "checkpoint.every_steps=30",
+    "mesh.data=-1",
+]
 
 
 @pytest.mark.parametrize("method", ["fullattn", "moba", "ssa", "ssa_fib"])

@@ -26,8 +26,16 @@ def finish(study: Study, name: str, ppls, step: int = 100):
     """A run directory as launch.train + launch.eval leave it (eval JSON, metrics with a val curve)."""
     run_dir = study.run_dir(next(r for r in study.runs if r.name == name))
     (run_dir / "eval").mkdir(parents=True)
-    report = {"run": name, "step": step, "train_seq_len": 256, "lengths": [256, 512, 1024], "attention": ATTN, "attention_override": False,
-              "alphas": [1.0, 1.0], "datasets": {"fineweb": rows_for(ppls, train_len=256)}}
+    report = {
+        "run": name,
+        "step": step,
+        "train_seq_len": 256,
+        "lengths": [256, 512, 1024],
+        "attention": ATTN,
+        "attention_override": False,
+        "alphas": [1.0, 1.0],
+        "datasets": {"fineweb": rows_for(ppls, train_len=256)},
+    }
     (run_dir / "eval" / f"{step}.json").write_text(json.dumps(report))
     rows = [{"step": s, "loss": 5.0 - s / 100, "ce": 5.0 - s / 100, "tokens_per_s": 7000.0} for s in range(1, step + 1)]
     rows += [{"step": s, "val/fineweb": 4.0 - s / 200} for s in (50, 100)]
@@ -91,9 +99,20 @@ def test_the_record_rebuilds_finished_runs_on_a_new_machine(tmp_path, capsys):
 def test_launch_study_end_to_end(tmp_path):
     """Two tiny runs through `python -m launch.study`: trained and evaluated as child commands, the
     report written; run again, both are skipped; --status says done."""
-    small = ["steps=3", "seq_len=32", "global_batch=8", "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
-             "data.default_vocab_size=384", "model.vocab_size=384", "eval.max_tokens=1024", "eval.length_multipliers=(1,2)",
-             f"data.path={tmp_path / 'data'}"]
+    small = [
+        "steps=3",
+        "seq_len=32",
+        "global_batch=8",
+        "model.d_model=32",
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "data.default_vocab_size=384",
+        "model.vocab_size=384",
+        "eval.max_tokens=1024",
+        "eval.length_multipliers=(1,2)",
+        f"data.path={tmp_path / 'data'}",
+    ]
     from fibjax.data.prepare import prepare_default
 
     prepare_default(tmp_path / "data", vocab_size=384)  # both runs read one prepared corpus
@@ -102,7 +121,8 @@ def test_launch_study_end_to_end(tmp_path):
         "from fibjax.study import Study, StudyRun\n"
         f"def get_study():\n    return Study(name='e2e', workdir={str(tmp_path / 'runs')!r}, results={str(tmp_path / 'results')!r},\n"
         f"        overrides={tuple(small)!r}, reference='dense',\n"
-        f"        runs=(StudyRun('dense', {TINY!r}, ('model.attention.kind=dense',)), StudyRun('fib', {TINY!r})))\n")
+        f"        runs=(StudyRun('dense', {TINY!r}, ('model.attention.kind=dense',)), StudyRun('fib', {TINY!r})))\n"
+    )
     cmd = [sys.executable, "-m", "launch.study", str(study_file)]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr + first.stdout

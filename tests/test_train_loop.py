@@ -19,8 +19,18 @@ from fibjax.data import prepare_default
 from fibjax.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.vocab_size=384",
-        "seq_len=32", "global_batch=8", "eval.at_end=false", "optim.warmup_steps=2", "log_every=1"]
+TINY = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.vocab_size=384",
+    "seq_len=32",
+    "global_batch=8",
+    "eval.at_end=false",
+    "optim.warmup_steps=2",
+    "log_every=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +154,27 @@ def test_loss_falls_on_real_text(tmp_path):
     if not shared.is_dir():
         pytest.skip("../shared/data is not present on this machine")
     data = tmp_path / "fineweb"
-    prepare(data, {"fineweb": str(shared / "fineweb_train_00.jsonl.gz")}, val={"fineweb": str(shared / "fineweb_val.jsonl.gz")},
-            vocab_size=512, max_docs=60, progress=False)
-    cfg = apply_overrides(TrainConfig(), [*TINY, "model.vocab_size=512", "steps=40", "optim.lr=3e-3", f"data.path={data}", "model.attention.kind=offset",
-                                          "model.attention.alpha=staggered", "model.attention.window=4"])
+    prepare(
+        data,
+        {"fineweb": str(shared / "fineweb_train_00.jsonl.gz")},
+        val={"fineweb": str(shared / "fineweb_val.jsonl.gz")},
+        vocab_size=512,
+        max_docs=60,
+        progress=False,
+    )
+    cfg = apply_overrides(
+        TrainConfig(),
+        [
+            *TINY,
+            "model.vocab_size=512",
+            "steps=40",
+            "optim.lr=3e-3",
+            f"data.path={data}",
+            "model.attention.kind=offset",
+            "model.attention.alpha=staggered",
+            "model.attention.window=4",
+        ],
+    )
     result = train(cfg, tmp_path / "run", progress=False)
     first, last = np.mean(result.losses[:5]), np.mean(result.losses[-5:])
     assert last < first - 1.0, (first, last)

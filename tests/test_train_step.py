@@ -17,8 +17,9 @@ from fibjax.train.optimizer import decay_mask, lr_schedule
 
 
 def tiny_cfg(**kw) -> TrainConfig:
-    model = ModelConfig(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                        attention=AttentionConfig(kind="offset", alpha="learned", window=3))
+    model = ModelConfig(
+        vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, attention=AttentionConfig(kind="offset", alpha="learned", window=3)
+    )
     return TrainConfig(steps=20, seq_len=32, global_batch=8, model=model, optim=OptimConfig(lr=1e-2, warmup_steps=2), **kw)
 
 
@@ -98,7 +99,9 @@ EXPECTED_AXES = {
     "embedding": ("tensor", "fsdp"),  # [vocab, embed]
     **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate", "up"), ("fsdp", "tensor")),  # [embed, heads | kv_heads | mlp]
     **dict.fromkeys(("o_proj", "down"), ("tensor", "fsdp")),  # [heads | mlp, embed]
-    "attn_norm": ("fsdp",), "mlp_norm": ("fsdp",), "final_norm": ("fsdp",),
+    "attn_norm": ("fsdp",),
+    "mlp_norm": ("fsdp",),
+    "final_norm": ("fsdp",),
 }
 
 
@@ -168,8 +171,7 @@ def test_sharded_step_compiles_and_splits_parameter_memory():
     compiled for the 8 CPU devices: each holds a quarter (fsdp x tensor) of the parameters and
     of both Adam moments."""
     cfg = paper("fib_stagger_w12")
-    cfg = dataclasses.replace(cfg, mesh=EIGHT, seq_len=64, global_batch=8,
-                              model=dataclasses.replace(cfg.model, d_model=64, num_layers=2, vocab_size=512))
+    cfg = dataclasses.replace(cfg, mesh=EIGHT, seq_len=64, global_batch=8, model=dataclasses.replace(cfg.model, d_model=64, num_layers=2, vocab_size=512))
     trainer, lowered, batch = lower_on_eight_devices(cfg)
     check_sharded_as_the_rules_say(trainer, lowered, batch)
     per_device = lowered.compile().memory_analysis().argument_size_in_bytes

@@ -15,7 +15,11 @@ SPARSE = (("--inference-mode", "sparse"),)
 
 def get_study() -> Study:
     return Study(
-        name="cpu", workdir="runs/study/cpu", results="results/study", overrides=COMMON, reference="dense",
+        name="cpu",
+        workdir="runs/study/cpu",
+        results="results/study",
+        overrides=COMMON,
+        reference="dense",
         runs=(
             # stage 1: the headline claims, with a second seed for the noise
             StudyRun("dense", "configs/cpu/dense.py"),

@@ -128,8 +128,18 @@ def num_earlier_blocks(t: int, block: int, num_blocks: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk", "block_rank"))
-def block_sparse_attention_xla(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, return_lse: bool = False,
-                               query_chunk: int = QUERY_CHUNK, block_rank: str = "mean_key", rank_keys: Array | None = None):
+def block_sparse_attention_xla(
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    block_size: int,
+    num_blocks: int,
+    return_lse: bool = False,
+    query_chunk: int = QUERY_CHUNK,
+    block_rank: str = "mean_key",
+    rank_keys: Array | None = None,
+):
     """The XLA program behind :func:`block_sparse_attention` (no argument checks). ``rank_keys``
     [B, N', K, D] (N' <= T // block_size, NSA's compressed keys) replace the block means in the ranking."""
     b, t, h, d = q.shape
@@ -169,8 +179,7 @@ def check_rank_keys(rank_keys: Array, k: Array, block_size: int, name: str = "ra
         raise ValueError(f"{name} must be [batch, seq // block_size, kv_heads, head_dim] = {want}, got {rank_keys.shape}")
 
 
-def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key",
-                           return_lse: bool = False):
+def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", return_lse: bool = False):
     """Causal block-sparse attention: each query attends its own block (up to itself) and the
     ``num_blocks - 1`` earlier blocks of ``block_size`` keys that rank highest by ``block_rank``
     (module docstring: the group-summed q . mean key, or NSA's group-summed per-head softmax
@@ -182,8 +191,7 @@ def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num
     """
     check_qkv(q, k, v)
     check_budget(block_size, num_blocks, block_rank)
-    return block_sparse_attention_xla(q, k, v, block_size=int(block_size), num_blocks=int(num_blocks), return_lse=return_lse,
-                                      block_rank=block_rank)
+    return block_sparse_attention_xla(q, k, v, block_size=int(block_size), num_blocks=int(num_blocks), return_lse=return_lse, block_rank=block_rank)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "block_rank"))
@@ -191,8 +199,14 @@ def _select_all(q: Array, k: Array, rank_keys: Array | None, *, block_size: int,
     b, t, h, d = q.shape
     _, t_pad = _layout(t, block_size, t)
     q, k = _pad_to(q, t_pad), _pad_to(k, t_pad)
-    idx = _select(q.reshape(b, t_pad, k.shape[2], h // k.shape[2], d), _rank_keys(k, rank_keys, block=block_size, rule=block_rank), 0,
-                  block=block_size, top=num_earlier_blocks(t, block_size, num_blocks), rule=block_rank)
+    idx = _select(
+        q.reshape(b, t_pad, k.shape[2], h // k.shape[2], d),
+        _rank_keys(k, rank_keys, block=block_size, rule=block_rank),
+        0,
+        block=block_size,
+        top=num_earlier_blocks(t, block_size, num_blocks),
+        rule=block_rank,
+    )
     return idx[:, :t]
 
 

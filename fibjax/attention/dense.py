@@ -40,8 +40,7 @@ def dense_attention_xla(q: Array, k: Array, v: Array, *, return_lse: bool = Fals
         o_BTKGD, lse_BTKG = _chunk(q_BTKGD, k, v, 0, t)
     elif t <= unroll_max_len:
         outs = [
-            jax.checkpoint(_chunk, static_argnums=(3, 4))(q_BTKGD[:, s : s + query_chunk], k, v, s, min(s + query_chunk, t))
-            for s in range(0, t, query_chunk)
+            jax.checkpoint(_chunk, static_argnums=(3, 4))(q_BTKGD[:, s : s + query_chunk], k, v, s, min(s + query_chunk, t)) for s in range(0, t, query_chunk)
         ]
         o_BTKGD, lse_BTKG = (jnp.concatenate(x, axis=1) for x in zip(*outs))
     else:

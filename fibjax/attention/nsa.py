@@ -64,8 +64,7 @@ def _compressed_chunk(q_BCKGD: Array, k_BNKD: Array, v_BNKD: Array, query_start,
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "return_lse", "query_chunk"))
-def compressed_attention_xla(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, return_lse: bool = False,
-                             query_chunk: int = QUERY_CHUNK):
+def compressed_attention_xla(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, return_lse: bool = False, query_chunk: int = QUERY_CHUNK):
     """NSA's compressed branch alone: [B,T,H,D] (and lse [B,T,H]); queries in chunks of
     ``query_chunk`` (``lax.map``, rematerialised), so the scores are at most chunk x T / B."""
     b, t, h, d = q.shape
@@ -88,13 +87,26 @@ def compressed_attention_xla(q: Array, k_cmp: Array, v_cmp: Array, *, block_size
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "return_lse", "query_chunk"))
-def nsa_attention_xla(q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, gates: Array, *, block_size: int, num_blocks: int,
-                      window: int, return_lse: bool = False, query_chunk: int = QUERY_CHUNK):
+def nsa_attention_xla(
+    q: Array,
+    k: Array,
+    v: Array,
+    k_cmp: Array,
+    v_cmp: Array,
+    gates: Array,
+    *,
+    block_size: int,
+    num_blocks: int,
+    window: int,
+    return_lse: bool = False,
+    query_chunk: int = QUERY_CHUNK,
+):
     """The XLA program behind :func:`nsa_attention` (no argument checks): three branches, each in
     q's dtype, mixed in float32."""
     o_cmp = compressed_attention_xla(q, k_cmp, v_cmp, block_size=block_size, query_chunk=query_chunk)
-    o_slc, lse_slc = block_sparse_attention_xla(q, k, v, block_size=block_size, num_blocks=num_blocks, return_lse=True,
-                                                query_chunk=query_chunk, block_rank="nsa_prob", rank_keys=k_cmp)
+    o_slc, lse_slc = block_sparse_attention_xla(
+        q, k, v, block_size=block_size, num_blocks=num_blocks, return_lse=True, query_chunk=query_chunk, block_rank="nsa_prob", rank_keys=k_cmp
+    )
     o_win = offset_attention_xla(q, k, v, distances=tuple(range(window + 1)))
     g_BTH3 = gates.astype(jnp.float32)
     out_BTHD = sum(g_BTH3[..., i, None] * o.astype(jnp.float32) for i, o in enumerate((o_cmp, o_slc, o_win)))
@@ -102,8 +114,9 @@ def nsa_attention_xla(q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, 
     return (out_BTHD, lse_slc) if return_lse else out_BTHD
 
 
-def nsa_attention(q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, gates: Array, *, block_size: int, num_blocks: int,
-                  window: int, return_lse: bool = False):
+def nsa_attention(
+    q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, gates: Array, *, block_size: int, num_blocks: int, window: int, return_lse: bool = False
+):
     """Causal NSA attention (module docstring): gated compressed, selected and window branches.
 
     q [B,T,H,D], k/v [B,T,K,D] with RoPE applied; k_cmp/v_cmp [B, T // block_size, K, D] the
@@ -121,5 +134,4 @@ def nsa_attention(q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, gate
         check_rank_keys(x, k, block_size, name)
     if gates.shape != (*q.shape[:3], len(BRANCHES)):
         raise ValueError(f"gates must be [batch, seq, q_heads, 3] = {(*q.shape[:3], 3)}, got {gates.shape}")
-    return nsa_attention_xla(q, k, v, k_cmp, v_cmp, gates, block_size=int(block_size), num_blocks=int(num_blocks), window=int(window),
-                             return_lse=return_lse)
+    return nsa_attention_xla(q, k, v, k_cmp, v_cmp, gates, block_size=int(block_size), num_blocks=int(num_blocks), window=int(window), return_lse=return_lse)

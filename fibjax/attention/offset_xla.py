@@ -154,8 +154,9 @@ def learned_rungs(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> 
 # --- the shared program --------------------------------------------------------------------
 
 
-def _sparse_attention(q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool,
-                      fixed_rungs: Sequence[tuple[int, float]] = ()):
+def _sparse_attention(
+    q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool, fixed_rungs: Sequence[tuple[int, float]] = ()
+):
     """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs`` +
     ``fixed_rungs``: interpolated rungs (lo, frac) of a known alpha, whose keys and values are
     mixed once with static shifts (one slot each, as cheap as a static distance)."""
@@ -245,4 +246,3 @@ def frozen_interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: i
     t = q.shape[1]
     fixed = frozen_rungs(alpha, base, window=window, seq_len=t, dtype=stats_dtype(q))
     return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=None, seq_len=t, return_lse=return_lse, fixed_rungs=fixed)
-

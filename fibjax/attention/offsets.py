@@ -107,9 +107,7 @@ def learned_rung_bases(*, window: int, base: Base, seq_len: int) -> tuple[int, .
     so dropping them is exact and saves work.
     """
     rungs = base_rungs(base, seq_len)
-    return tuple(
-        f for f in rungs if round(ALPHA_MAX * f) > window and math.floor(ALPHA_MIN * f) <= seq_len - 1
-    )
+    return tuple(f for f in rungs if round(ALPHA_MAX * f) > window and math.floor(ALPHA_MIN * f) <= seq_len - 1)
 
 
 def learned_rung_spec(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tuple[int, int, float]]:

@@ -69,8 +69,7 @@ def _static_pallas(case: Case) -> Callable:
 
 
 def _learned_pallas(case: Case) -> Callable:
-    return lambda q, k, v, alpha: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha,
-                                                                 block_sizes=case.block_sizes)
+    return lambda q, k, v, alpha: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha, block_sizes=case.block_sizes)
 
 
 def _cudnn(case: Case) -> Callable:
@@ -104,21 +103,45 @@ def _nsa(case: Case) -> Callable:
     def f(q, k, v, alpha):
         w = [x.astype(k.dtype) for x in (pos, w_in, w_out)]
         gates = jnp.full((*q.shape[:3], 3), 0.5, jnp.float32)
-        return attention.nsa_attention(q, k, v, attention.compress_blocks(k, *w), attention.compress_blocks(v, *w), gates,
-                                       block_size=j, num_blocks=case.sparse_blocks, window=case.nsa_window)
+        return attention.nsa_attention(
+            q,
+            k,
+            v,
+            attention.compress_blocks(k, *w),
+            attention.compress_blocks(v, *w),
+            gates,
+            block_size=j,
+            num_blocks=case.sparse_blocks,
+            window=case.nsa_window,
+        )
 
     return f
 
 
 PATHS: dict[str, Callable[[Case], Callable]] = {
-    "dense": _dense, "static": _static, "learned": _learned, "learned_frozen": _learned_frozen, "block_sparse": _block_sparse,
-    "nsa": _nsa, "static_pallas": _static_pallas, "learned_pallas": _learned_pallas, "cudnn": _cudnn,
+    "dense": _dense,
+    "static": _static,
+    "learned": _learned,
+    "learned_frozen": _learned_frozen,
+    "block_sparse": _block_sparse,
+    "nsa": _nsa,
+    "static_pallas": _static_pallas,
+    "learned_pallas": _learned_pallas,
+    "cudnn": _cudnn,
 }
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
-    ("static", "dense"), ("learned", "static"), ("learned_frozen", "static"), ("block_sparse", "dense"), ("nsa", "block_sparse"), ("static_pallas", "static"),
-    ("learned_pallas", "learned"), ("learned_pallas", "static_pallas"), ("static_pallas", "cudnn"), ("learned_pallas", "cudnn"),
+    ("static", "dense"),
+    ("learned", "static"),
+    ("learned_frozen", "static"),
+    ("block_sparse", "dense"),
+    ("nsa", "block_sparse"),
+    ("static_pallas", "static"),
+    ("learned_pallas", "learned"),
+    ("learned_pallas", "static_pallas"),
+    ("static_pallas", "cudnn"),
+    ("learned_pallas", "cudnn"),
 ]
 
 

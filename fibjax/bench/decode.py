@@ -43,11 +43,20 @@ class Spec:
     dtype: str = "float32"
 
     def model_config(self, kind: str) -> ModelConfig:
-        attention = {"sparse": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
-                     "moba": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
-                     "dense": AttentionConfig(kind="dense")}[kind]
-        return ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.num_layers, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, dtype=self.dtype, attention=attention)
+        attention = {
+            "sparse": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
+            "moba": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
+            "dense": AttentionConfig(kind="dense"),
+        }[kind]
+        return ModelConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            dtype=self.dtype,
+            attention=attention,
+        )
 
 
 @dataclass
@@ -109,14 +118,18 @@ def run(spec: Spec, contexts: list[int], steps: int, progress=None) -> tuple[dic
 
 
 def table(results: dict[tuple[str, int], Row], contexts: list[int]) -> str:
-    lines = ["| context | sparse ms/token (best) | moba ms/token (best) | dense ms/token (best) | dense / sparse | dense / moba "
-             "| read MiB/token sparse / moba / dense | cache MiB sparse / moba / dense |",
-             "|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "| context | sparse ms/token (best) | moba ms/token (best) | dense ms/token (best) | dense / sparse | dense / moba "
+        "| read MiB/token sparse / moba / dense | cache MiB sparse / moba / dense |",
+        "|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     for n in contexts:
         s, m, d = (results[(k, n)] for k in KINDS)
         times = " | ".join(f"{r.ms:.2f} ({r.best_ms:.2f})" for r in (s, m, d))
-        lines.append(f"| {n} | {times} | {d.ms / s.ms:.1f}x | {d.ms / m.ms:.1f}x | {s.read_mib:.2f} / {m.read_mib:.2f} / {d.read_mib:.2f} "
-                     f"| {s.cache_mib:.1f} / {m.cache_mib:.1f} / {d.cache_mib:.1f} |")
+        lines.append(
+            f"| {n} | {times} | {d.ms / s.ms:.1f}x | {d.ms / m.ms:.1f}x | {s.read_mib:.2f} / {m.read_mib:.2f} / {d.read_mib:.2f} "
+            f"| {s.cache_mib:.1f} / {m.cache_mib:.1f} / {d.cache_mib:.1f} |"
+        )
     crossover = next((n for n in contexts if results[("moba", n)].ms < results[("dense", n)].ms), None)
     lines.append("")
     lines.append(f"moba is faster than dense from context {crossover} on" if crossover else "moba was not faster than dense at any context measured")

@@ -23,8 +23,9 @@ def measure_config(path: str, overrides: list[str], steps: int) -> dict:
     rng = np.random.default_rng(0)
     with jax.set_mesh(mesh):
         state = trainer.init()
-        batches = [jax.device_put(rng.integers(0, cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1), dtype=np.int32), trainer.batch_sharding)
-                   for _ in range(2)]
+        batches = [
+            jax.device_put(rng.integers(0, cfg.model.vocab_size, (cfg.global_batch, cfg.seq_len + 1), dtype=np.int32), trainer.batch_sharding) for _ in range(2)
+        ]
         start = time.perf_counter()
         state, metrics = trainer.step(state, batches[0])
         jax.block_until_ready(metrics)
@@ -37,14 +38,23 @@ def measure_config(path: str, overrides: list[str], steps: int) -> dict:
             times.append(time.perf_counter() - start)
     s = float(np.median(times))
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    return {"config": Path(path).stem, "params_M": params / 1e6, "seq": cfg.seq_len, "batch": cfg.global_batch,
-            "s_per_step": s, "tokens_per_s": cfg.global_batch * cfg.seq_len / s, "first_step_s": compile_s}
+    return {
+        "config": Path(path).stem,
+        "params_M": params / 1e6,
+        "seq": cfg.seq_len,
+        "batch": cfg.global_batch,
+        "s_per_step": s,
+        "tokens_per_s": cfg.global_batch * cfg.seq_len / s,
+        "first_step_s": compile_s,
+    }
 
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["tokens_per_s"]
     lines = ["| config | params (M) | seq x batch | s/step (median) | tokens/s | vs first | first step (compile) s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['params_M']:.2f} | {r['seq']}x{r['batch']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f} | {r['first_step_s']:.1f} |")
+        lines.append(
+            f"| {r['config']} | {r['params_M']:.2f} | {r['seq']}x{r['batch']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tokens_per_s'] / base:.2f} | {r['first_step_s']:.1f} |"
+        )
     return "\n".join(lines)

@@ -64,7 +64,7 @@ class _WindowSampler:
             rng = np.random.default_rng((self.seed, int(step), row))
             source = min(int(np.searchsorted(self.cumulative, rng.random(), side="right")), len(self.files) - 1)
             start = int(rng.integers(0, self.lengths[source] - self.window + 1))
-            out_BL[i] = self._tokens[source][start:start + self.window]
+            out_BL[i] = self._tokens[source][start : start + self.window]
         return out_BL
 
 
@@ -99,8 +99,7 @@ def train_iterator(
     for name in probs:
         tokens = meta["sources"][name]["train"]["tokens"]
         if tokens < window:
-            raise DataError(f"source {name!r} has {tokens} train tokens, fewer than seq_len + 1 = {window}; "
-                            "use a shorter seq_len or more data")
+            raise DataError(f"source {name!r} has {tokens} train tokens, fewer than seq_len + 1 = {window}; use a shorter seq_len or more data")
         check_token_ids(data_dir / meta["sources"][name]["train"]["file"], np.dtype(meta["dtype"]), meta["tokenizer"]["vocab_size"])
     local = global_batch // process_count
     sampler = _WindowSampler(data_dir, meta, probs, window, seed, range(process_index * local, (process_index + 1) * local))

@@ -64,8 +64,10 @@ def _full_disk_is_a_data_error(prepare_fn):
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise DataError(f"no space left on the device while writing {e.filename or out_dir} ({free_space(out_dir)} free there); "
-                            f"{out_dir} is left unfinished (it has no {META_FILE}): free some space and run the same command again") from None
+            raise DataError(
+                f"no space left on the device while writing {e.filename or out_dir} ({free_space(out_dir)} free there); "
+                f"{out_dir} is left unfinished (it has no {META_FILE}): free some space and run the same command again"
+            ) from None
 
     return wrapper
 
@@ -98,13 +100,17 @@ def prepare(
     if given and vocab_size is not None and vocab_size != given.vocab_size:
         raise DataError(f"vocab_size {vocab_size} contradicts the given tokenizer {str(tokenizer)!r}, whose vocabulary is {given.vocab_size}")
     vocab_size = given.vocab_size if given else (vocab_size or DEFAULT_VOCAB_SIZE)
-    options = {"vocab_size": vocab_size, "max_tokens": max_tokens, "max_docs": max_docs,
-               "val_fraction": val_fraction, "tokenizer_chars": None if given else tokenizer_chars}
+    options = {
+        "vocab_size": vocab_size,
+        "max_tokens": max_tokens,
+        "max_docs": max_docs,
+        "val_fraction": val_fraction,
+        "tokenizer_chars": None if given else tokenizer_chars,
+    }
     inputs = {name: {"train": describe_inputs(spec)} for name, spec in sources.items()}
     for name, spec in val.items():
         inputs.setdefault(name, {})["val"] = describe_inputs(spec)
-    fingerprint = _sha256_json({"format": FORMAT_VERSION, "inputs": inputs, "options": options,
-                                "tokenizer": given.sha256 if given else "trained"})
+    fingerprint = _sha256_json({"format": FORMAT_VERSION, "inputs": inputs, "options": options, "tokenizer": given.sha256 if given else "trained"})
 
     existing = read_meta_file(out_dir) if out_dir.is_dir() else None
     if existing is not None:
@@ -150,8 +156,13 @@ def prepare(
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer": {"file": TOKENIZER_FILE, "sha256": tok.sha256, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                      "from": str(Path(tokenizer).resolve()) if tokenizer else "trained"},
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "sha256": tok.sha256,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "from": str(Path(tokenizer).resolve()) if tokenizer else "trained",
+        },
         "sources": entries,
         "options": options,
         "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__},
@@ -163,8 +174,14 @@ def prepare(
 def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progress: bool = False) -> dict:
     """Prepare the embedded corpus (Python's reference manual topics) into ``out_dir``; a
     no-op when it is already there. Offline: the text ships with Python."""
-    return prepare(out_dir, {EMBEDDED_NAME: EMBEDDED_SPEC}, vocab_size=vocab_size, val_fraction=EMBEDDED_VAL_FRACTION,
-                   progress=progress, redo=f"delete {out_dir} (a copy of the embedded corpus) and run the same command again")
+    return prepare(
+        out_dir,
+        {EMBEDDED_NAME: EMBEDDED_SPEC},
+        vocab_size=vocab_size,
+        val_fraction=EMBEDDED_VAL_FRACTION,
+        progress=progress,
+        redo=f"delete {out_dir} (a copy of the embedded corpus) and run the same command again",
+    )
 
 
 def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction) -> None:
@@ -235,8 +252,19 @@ class _TokenFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def _write_stream(name: str, spec: str, docs: Iterator[str], *, out_dir: Path, dtype: np.dtype, tok: Tokenizer,
-                  max_tokens: int | None, progress: bool, holdout: float | None = None, split: str = "train") -> dict:
+def _write_stream(
+    name: str,
+    spec: str,
+    docs: Iterator[str],
+    *,
+    out_dir: Path,
+    dtype: np.dtype,
+    tok: Tokenizer,
+    max_tokens: int | None,
+    progress: bool,
+    holdout: float | None = None,
+    split: str = "train",
+) -> dict:
     """Encode ``docs`` into ``split`` (and, with ``holdout``, a content-hash fraction into val)."""
     files = {split: _TokenFile(out_dir, name, split, dtype, tok.eos_id)}
     if holdout is not None:
@@ -271,8 +299,9 @@ def _write_stream(name: str, spec: str, docs: Iterator[str], *, out_dir: Path, d
         if f.documents == 0:
             for g in files.values():
                 g.abandon()
-            why = (f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)"
-                   if kind == "val" and holdout else "")
+            why = (
+                f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)" if kind == "val" and holdout else ""
+            )
             raise DataError(f"source {name!r} ({spec}) produced no {kind} document{why}")
     try:
         entry = {kind: f.finish(spec) for kind, f in files.items()}

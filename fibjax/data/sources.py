@@ -38,7 +38,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 def parse_named(arg: str) -> tuple[str, str]:
-    """"NAME=SPEC" -> (name, spec); the name becomes a folder, so it is kept simple."""
+    """ "NAME=SPEC" -> (name, spec); the name becomes a folder, so it is kept simple."""
     name, sep, spec = arg.partition("=")
     name, spec = name.strip(), spec.strip()
     if not sep or not spec:
@@ -164,7 +164,7 @@ _READERS = {".txt": _txt, ".jsonl": _jsonl, ".jsonl.gz": _jsonl, ".parquet": _pa
 def _hf_documents(spec: str) -> Iterator[str]:
     """Stream ``hf:DATASET[:CONFIG][@SPLIT]`` (split defaults to train). Untested here: this
     machine has no network; the caller bounds it with a document or token budget."""
-    body, _, split = spec[len(_HF_PREFIX):].partition("@")
+    body, _, split = spec[len(_HF_PREFIX) :].partition("@")
     dataset, _, config = body.partition(":")
     try:
         import datasets

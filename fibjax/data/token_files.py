@@ -100,11 +100,15 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
         raise DataError(f"{model} is missing; the token files cannot be decoded without the tokenizer they were made with")
     actual = file_sha256(model)
     if actual != recorded:
-        raise DataError(f"tokenizer mismatch in {str(data_dir)!r}: the token files were made with tokenizer sha256 {recorded[:12]}..., "
-                        f"but {TOKENIZER_FILE} has sha256 {actual[:12]}...; refusing to mix them (prepare the data again)")
+        raise DataError(
+            f"tokenizer mismatch in {str(data_dir)!r}: the token files were made with tokenizer sha256 {recorded[:12]}..., "
+            f"but {TOKENIZER_FILE} has sha256 {actual[:12]}...; refusing to mix them (prepare the data again)"
+        )
     if tokenizer_sha256 is not None and tokenizer_sha256 != recorded:
-        raise DataError(f"tokenizer mismatch: {str(data_dir)!r} was tokenized with sha256 {recorded[:12]}..., "
-                        f"but {tokenizer_sha256[:12]}... was expected (the run was started with other data)")
+        raise DataError(
+            f"tokenizer mismatch: {str(data_dir)!r} was tokenized with sha256 {recorded[:12]}..., "
+            f"but {tokenizer_sha256[:12]}... was expected (the run was started with other data)"
+        )
     dtype = np.dtype(meta["dtype"])
     for source in meta["sources"].values():
         for split in SPLITS:
@@ -151,8 +155,9 @@ def check_token_ids(path: Path, dtype: np.dtype, vocab_size: int) -> None:
         return
     top = int(np.memmap(path, dtype=dtype, mode="r").max())
     if top >= vocab_size:
-        raise DataError(f"token file {path} is corrupt: it holds token id {top}, but the tokenizer has {vocab_size} pieces "
-                        "(bytes changed on disk?); prepare the data again")
+        raise DataError(
+            f"token file {path} is corrupt: it holds token id {top}, but the tokenizer has {vocab_size} pieces (bytes changed on disk?); prepare the data again"
+        )
     _CHECKED_IDS.add(key)
 
 

@@ -79,7 +79,7 @@ def _training_lines(texts: Iterable[str]) -> Iterator[str]:
                 head = line[: _MAX_TRAIN_LINE_BYTES // 4]  # <= 4 bytes per character
                 cut = head.rfind(" ") if " " in head[1:] else len(head)
                 yield head[: max(cut, 1)]
-                line = line[max(cut, 1):]
+                line = line[max(cut, 1) :]
             if line.strip():
                 yield line
 
@@ -106,11 +106,26 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, num_threads: int =
 
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=all_lines(), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-            byte_fallback=True, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-            split_digits=True, character_coverage=0.9995, input_sentence_size=0, shuffle_input_sentence=False,
-            max_sentence_length=_MAX_TRAIN_LINE_BYTES, hard_vocab_limit=False, num_threads=num_threads, minloglevel=2,
+            sentence_iterator=all_lines(),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            unk_id=0,
+            eos_id=1,
+            bos_id=-1,
+            pad_id=-1,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            character_coverage=0.9995,
+            input_sentence_size=0,
+            shuffle_input_sentence=False,
+            max_sentence_length=_MAX_TRAIN_LINE_BYTES,
+            hard_vocab_limit=False,
+            num_threads=num_threads,
+            minloglevel=2,
         )
     except RuntimeError as e:
         if reading_failed:
@@ -120,11 +135,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, *, num_threads: int =
         if needed:
             raise TokenizerError(
                 f"vocab_size {vocab_size} is too small for this text: it needs at least {needed.group(1)} "
-                f"({NUM_RESERVED_PIECES} byte/special pieces + the characters covering 99.95% of the text)") from None
+                f"({NUM_RESERVED_PIECES} byte/special pieces + the characters covering 99.95% of the text)"
+            ) from None
         raise TokenizerError(f"SentencePiece training failed: {message}") from None
     tokenizer = Tokenizer(model.getvalue())
     if tokenizer.vocab_size != vocab_size:
         raise TokenizerError(
-            f"the training text supports only {tokenizer.vocab_size} BPE pieces, fewer than vocab_size {vocab_size}; "
-            "use more text or a smaller vocab_size")
+            f"the training text supports only {tokenizer.vocab_size} BPE pieces, fewer than vocab_size {vocab_size}; use more text or a smaller vocab_size"
+        )
     return tokenizer

@@ -10,15 +10,4 @@ from fibjax.decode.decoder import Decoder
 from fibjax.decode.sampling import GREEDY, Sampler, top_k_mask, top_p_mask
 from fibjax.decode.stream import TextStreamer
 
-__all__ = [
-    "GREEDY",
-    "KV",
-    "Decoder",
-    "LayerPlan",
-    "Sampler",
-    "TextStreamer",
-    "cache_bytes",
-    "plan_layers",
-    "top_k_mask",
-    "top_p_mask",
-]
+__all__ = ["GREEDY", "KV", "Decoder", "LayerPlan", "Sampler", "TextStreamer", "cache_bytes", "plan_layers", "top_k_mask", "top_p_mask"]

@@ -82,8 +82,9 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     if acfg.kind == "dense":
         return LayerPlan("full", max_len, max_len)
     if acfg.kind == "block_sparse" and acfg.block_rank != "mean_key":
-        raise NotImplementedError(f"decoding ranks blocks by mean_key only; this layer uses block_rank={acfg.block_rank!r} "
-                                  "(fibjax/decode/attend.py, _selected_rows)")
+        raise NotImplementedError(
+            f"decoding ranks blocks by mean_key only; this layer uses block_rank={acfg.block_rank!r} (fibjax/decode/attend.py, _selected_rows)"
+        )
     if acfg.kind == "block_sparse":
         return LayerPlan("blocks", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
     if acfg.kind != "offset":
@@ -110,6 +111,7 @@ def num_block_sums(plan: LayerPlan) -> int:
 
 def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim: int, dtype) -> Cache:
     """Zeros for every layer (the rows a position has not written yet are never attended)."""
+
     def empty(p: LayerPlan) -> KV:
         k, v = (jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))
         ksum = jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), jnp.float32) if p.kind == "blocks" else None
@@ -130,8 +132,10 @@ def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Arra
     """
     row = pos % kv.k.shape[2]
     zero = after.reshape(after.shape[0], 1, 1, -1)[..., :1] * 0
-    k, v = (jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x + zero.astype(x.dtype), 1, 2).astype(c.dtype), row, axis=2)
-            for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE)))
+    k, v = (
+        jax.lax.dynamic_update_slice_in_dim(c, jnp.swapaxes(x + zero.astype(x.dtype), 1, 2).astype(c.dtype), row, axis=2)
+        for c, x in ((kv.k, k_B1KE), (kv.v, v_B1KE))
+    )
     ksum = kv.ksum
     if ksum is not None:
         # the block's rows (this one just written), summed as the full forward sums a block

@@ -86,8 +86,7 @@ class Decoder:
             raise ValueError(f"position {pos} is outside this decoder's capacity [0, {self.max_len})")
         return self._step(self.state, cache, jnp.asarray(tokens_B, jnp.int32), jnp.int32(pos), _key(key), sampler=sampler)
 
-    def generate(self, prompt_BP, max_new_tokens: int, *, sampler: Sampler = GREEDY, seed: int = 0,
-                 stop_token: int | None = None) -> Iterator[np.ndarray]:
+    def generate(self, prompt_BP, max_new_tokens: int, *, sampler: Sampler = GREEDY, seed: int = 0, stop_token: int | None = None) -> Iterator[np.ndarray]:
         """Yield the new tokens [B] one position at a time, stopping early once every row has
         produced ``stop_token`` (which is yielded). The draw for position n uses
         fold_in(key(seed), n), so a sequence does not depend on how it was produced."""

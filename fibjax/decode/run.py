@@ -54,8 +54,10 @@ def load(workdir: str | Path, step: int | None = None, attention_overrides: list
     cfg = load_run_config(workdir)
     path = tokenizer_path(cfg, workdir)
     if not path.is_file():
-        raise SampleError(f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "
-                          "checkpoints were trained with; restore it, or the data directory named by data.path)")
+        raise SampleError(
+            f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "
+            "checkpoints were trained with; restore it, or the data directory named by data.path)"
+        )
     run = load_run(workdir, step)  # checks the tokenizer against the one the run trained with
     tokenizer = run_tokenizer(run)
     params, model_cfg = run.params, cfg.model
@@ -85,9 +87,12 @@ def encode_prompt(tokenizer: Tokenizer, text: str, max_new_tokens: int, limit: i
     check_prompt_text(text)
     ids = tokenizer.encode(text)
     if limit is not None and len(ids) >= limit:
-        raise SampleError(f"the prompt is {len(ids)} tokens, but this model takes at most {limit} tokens in all "
-                          "(prompt + new); shorten the prompt or raise --max-context")
+        raise SampleError(
+            f"the prompt is {len(ids)} tokens, but this model takes at most {limit} tokens in all (prompt + new); shorten the prompt or raise --max-context"
+        )
     if limit is not None and len(ids) + max_new_tokens > limit:
-        raise SampleError(f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceeds this model's limit of {limit} "
-                          f"tokens; ask for at most {limit - len(ids)} new tokens or raise --max-context")
+        raise SampleError(
+            f"the prompt ({len(ids)} tokens) + {max_new_tokens} new tokens exceeds this model's limit of {limit} "
+            f"tokens; ask for at most {limit - len(ids)} new tokens or raise --max-context"
+        )
     return ids

@@ -45,9 +45,16 @@ def fit(mass: np.ndarray, error: np.ndarray, bound: np.ndarray) -> dict:
     meaningful = m >= 1e-3
     ratio = float(np.max(e[meaningful] / b[meaningful])) if meaningful.any() else 0.0
     keep = np.linspace(0, len(m) - 1, min(POINTS, len(m))).astype(int)
-    return {"slope": slope, "r2": r2, "mean_mass": float(m.mean()), "mean_error": float(e.mean()), "queries": int(len(m)),
-            "bound_violations": violations, "max_error_over_bound": ratio,
-            "points": {"mass": [round(float(x), 6) for x in m[keep]], "error": [round(float(x), 6) for x in e[keep]]}}
+    return {
+        "slope": slope,
+        "r2": r2,
+        "mean_mass": float(m.mean()),
+        "mean_error": float(e.mean()),
+        "queries": int(len(m)),
+        "bound_violations": violations,
+        "max_error_over_bound": ratio,
+        "points": {"mass": [round(float(x), 6) for x in m[keep]], "error": [round(float(x), 6) for x in e[keep]]},
+    }
 
 
 def error_law(model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int) -> list[dict]:

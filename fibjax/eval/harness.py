@@ -43,7 +43,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.utils import simple_parse_args_string
 except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(f"fibjax.eval.harness needs EleutherAI's lm-eval: pip install -e \".[harness]\" ({e})", name=e.name) from None
+    raise ModuleNotFoundError(f'fibjax.eval.harness needs EleutherAI\'s lm-eval: pip install -e ".[harness]" ({e})', name=e.name) from None
 
 from fibjax.decode import GREEDY, Decoder, TextStreamer
 from fibjax.eval import batching
@@ -65,8 +65,16 @@ def nll_and_greedy(model, tokens_BL1: jax.Array) -> jax.Array:
 
 @register_model("fibjax")
 class FibjaxLM(TemplateLM):
-    def __init__(self, workdir: str, step: int | None = None, batch_size: int | str | None = None, max_length: int | None = None,
-                 max_gen_toks: int = 256, device: str | None = None, max_batch_size: int | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        step: int | None = None,
+        batch_size: int | str | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        device: str | None = None,
+        max_batch_size: int | None = None,
+    ):
         del device, max_batch_size  # lm-eval passes them to every model; JAX places this one
         super().__init__()
         run = load_run(str(workdir), None if step is None else int(step))

@@ -109,8 +109,19 @@ def score(prompts: Sequence[Prompt], predicted_NL: np.ndarray) -> tuple[np.ndarr
     return np.asarray(exact), np.asarray(frac)
 
 
-def passkey_grid(model_cfg, params, tokenizer, lengths: Sequence[int], depths: Sequence[float], trials: int, seed: int = 0, *,
-                 batch_size: int | None = None, predict_fn: PredictFn | None = None, mesh: jax.sharding.Mesh | None = None) -> dict:
+def passkey_grid(
+    model_cfg,
+    params,
+    tokenizer,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+    trials: int,
+    seed: int = 0,
+    *,
+    batch_size: int | None = None,
+    predict_fn: PredictFn | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict:
     """Accuracy of every (length, depth) cell over ``trials`` seeded keys.
 
     ``batch_size`` prompts per forward (default: all trials of a cell; one compile per
@@ -131,20 +142,31 @@ def passkey_grid(model_cfg, params, tokenizer, lengths: Sequence[int], depths: S
             tokens = np.stack([p.tokens[:-1] for p in prompts])
             predicted = batching.in_fixed_batches(predict, params, tokens, rows, mesh)
             exact, frac = score(prompts, predicted)
-            cells.append({
-                "length": int(length), "depth": float(depth), "actual_depth": float(np.mean([p.depth for p in prompts])),
-                "trials": trials, "correct": int(exact.sum()), "accuracy": float(exact.mean()), "token_accuracy": float(frac.mean()),
-                "keys": [p.key for p in prompts],
-                "answers": [tokenizer.decode(pred[p.answer_start - 1 : len(p.tokens) - 1]) for p, pred in zip(prompts, predicted)],
-            })
+            cells.append(
+                {
+                    "length": int(length),
+                    "depth": float(depth),
+                    "actual_depth": float(np.mean([p.depth for p in prompts])),
+                    "trials": trials,
+                    "correct": int(exact.sum()),
+                    "accuracy": float(exact.mean()),
+                    "token_accuracy": float(frac.mean()),
+                    "keys": [p.key for p in prompts],
+                    "answers": [tokenizer.decode(pred[p.answer_start - 1 : len(p.tokens) - 1]) for p, pred in zip(prompts, predicted)],
+                }
+            )
     grid = {(c["length"], c["depth"]): c for c in cells}
     return {
-        "lengths": [int(x) for x in lengths], "depths": [float(x) for x in depths], "trials": trials, "seed": seed,
+        "lengths": [int(x) for x in lengths],
+        "depths": [float(x) for x in depths],
+        "trials": trials,
+        "seed": seed,
         "scoring": "teacher-forced argmax over every answer token (= greedy decoding exact match)",
         "accuracy": [[grid[(int(n), float(d))]["accuracy"] for n in lengths] for d in depths],
         "correct": [[grid[(int(n), float(d))]["correct"] for n in lengths] for d in depths],
         "token_accuracy": [[grid[(int(n), float(d))]["token_accuracy"] for n in lengths] for d in depths],
-        "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])), "cells": cells,
+        "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])),
+        "cells": cells,
     }
 
 
@@ -155,8 +177,14 @@ def format_markdown(result: dict) -> str:
     """Accuracy (%) with depths as rows and lengths as columns, and a mean row."""
     title = result.get("title", "Passkey retrieval")
     head = "| depth \\ length | " + " | ".join(str(n) for n in result["lengths"]) + " |"
-    lines = [title, "", f"Exact-match accuracy (%), {result['trials']} trials per cell, seed {result['seed']}.", "", head,
-             "|---|" + "---:|" * len(result["lengths"])]
+    lines = [
+        title,
+        "",
+        f"Exact-match accuracy (%), {result['trials']} trials per cell, seed {result['seed']}.",
+        "",
+        head,
+        "|---|" + "---:|" * len(result["lengths"]),
+    ]
     for d, row in zip(result["depths"], result["accuracy"]):
         lines.append(f"| {100 * d:.0f}% | " + " | ".join(f"{100 * a:.0f}" for a in row) + " |")
     means = np.mean(np.asarray(result["accuracy"]), axis=0)
@@ -190,11 +218,17 @@ def plot_heatmap(result: dict, path: Path) -> None:
     ax.grid(which="minor", color="white", linewidth=1.5)
     ax.tick_params(which="minor", length=0)
     for (i, j), a in np.ndenumerate(acc):
-        ax.text(j, i, f"{100 * a:.0f}%\n{result['correct'][i][j]}/{result['trials']}", ha="center", va="center", fontsize=8,
-                color="white" if a < 0.25 or a > 0.85 else "black")
+        ax.text(
+            j,
+            i,
+            f"{100 * a:.0f}%\n{result['correct'][i][j]}/{result['trials']}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if a < 0.25 or a > 0.85 else "black",
+        )
     fig.colorbar(image, ax=ax, label="exact-match accuracy", format=lambda x, _: f"{100 * x:.0f}%")
-    ax.set_title(f"{result.get('title', 'Passkey retrieval')}\nmean {100 * result['mean_accuracy']:.0f}%, {result['trials']} trials per cell",
-                 fontsize=10)
+    ax.set_title(f"{result.get('title', 'Passkey retrieval')}\nmean {100 * result['mean_accuracy']:.0f}%, {result['trials']} trials per cell", fontsize=10)
     fig.savefig(path, dpi=130)
 
 

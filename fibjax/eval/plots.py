@@ -22,8 +22,16 @@ PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#0
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 LINESTYLES = ("-", "--", ":", "-.")
 STYLE = {
-    "font.size": 11, "axes.titlesize": 12, "axes.labelsize": 11, "legend.fontsize": 10, "figure.titlesize": 14,
-    "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False, "savefig.dpi": 150,
+    "font.size": 11,
+    "axes.titlesize": 12,
+    "axes.labelsize": 11,
+    "legend.fontsize": 10,
+    "figure.titlesize": 14,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "savefig.dpi": 150,
 }
 GUIDE = "#666666"  # reference lines (training length, zero gap)
 MAX_COLUMNS = 3  # panels per row; more datasets wrap
@@ -200,8 +208,9 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
         layers = np.arange(len(alphas)) + 0.08 * (i - (len(with_alpha) - 1) / 2)  # dodge: equal schedules stay visible
         ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=r.label)
         if init := r.initial_alphas():
-            ax.plot(layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7,
-                    markerfacecolor="white", label=f"{r.label} (init)")
+            ax.plot(
+                layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7, markerfacecolor="white", label=f"{r.label} (init)"
+            )
     n = max(len(r.report["alphas"]) for r in with_alpha)
     ax.set_xticks(range(n))
     ax.set_ylim(0.42, 1.58)
@@ -310,8 +319,16 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
             rows = [m for m in r.metrics if f"val/{name}" in m]
             if rows:
                 s = styles[r.label]
-                ax.plot([m["step"] for m in rows], [m[f"val/{name}"] for m in rows], color=s.color, marker=s.marker, linestyle=s.linestyle,
-                        linewidth=2, markersize=5, label=r.label)
+                ax.plot(
+                    [m["step"] for m in rows],
+                    [m[f"val/{name}"] for m in rows],
+                    color=s.color,
+                    marker=s.marker,
+                    linestyle=s.linestyle,
+                    linewidth=2,
+                    markersize=5,
+                    label=r.label,
+                )
         ax.set_title(name)
         ax.set_xlabel("training step")
     return _finish_panels(fig, axes, "validation NLL at the training length", "Validation loss during training", path)

@@ -248,8 +248,10 @@ def extrap_table(runs: list[RunEval], datasets: list[str]) -> Table:
         rows.append([r.label, str(r.train_len), " / ".join(map(str, lengths)), *cells])
     csv_header = ["run", "dataset", "train_seq_len", "length", "multiplier", "tokens", "nll", "ppl", "change_vs_first_pct"]
     scored = sorted({x["tokens"] for r in runs for d in datasets for x in r.rows(d)})
-    notes = ["Perplexity at each evaluation length on the same tokens "
-             f"({' / '.join(map(str, scored))} tokens scored per dataset); in brackets the change at the longest length vs the first."]
+    notes = [
+        "Perplexity at each evaluation length on the same tokens "
+        f"({' / '.join(map(str, scored))} tokens scored per dataset); in brackets the change at the longest length vs the first."
+    ]
     return Table("extrap", "Length extrapolation", header, rows, csv_header, csv_rows, notes)
 
 
@@ -272,8 +274,10 @@ def posloss_table(runs: list[RunEval], datasets: list[str], reference: RunEval |
                 rows.append([r.label, d, f"minus {reference.label}", *(f"{g:+.3f}" for g in gap), f"{row['nll'] - ref['nll']:+.3f}"])
     notes = ["NLL in nats per token, in equal bins of positions over a window of the training length (bin 1 = the first positions)."]
     if reference:
-        notes.append(f"'minus {reference.label}': this run's NLL minus the reference's, per bin; > 0 means worse than {reference.label}. "
-                     "Only between runs of the same training length and binning.")
+        notes.append(
+            f"'minus {reference.label}': this run's NLL minus the reference's, per bin; > 0 means worse than {reference.label}. "
+            "Only between runs of the same training length and binning."
+        )
     csv_header = ["run", "dataset", "length", "bin", "nll", f"gap_to_{reference.label}" if reference else "gap_to_reference"]
     return Table("posloss", "NLL by position at the training length", header, rows, csv_header, csv_rows, notes)
 
@@ -311,8 +315,10 @@ def new_distance_table(runs: list[RunEval]) -> Table:
         for length, per_layer in sorted(r.report.get("new_distances", {}).items(), key=lambda kv: int(kv[0])):
             rows.append([r.label, length, *_pad([str(n) for n in per_layer], nlayers), str(sum(per_layer))])
             csv_rows += [[r.label, int(length), i, n] for i, n in enumerate(per_layer)]
-    notes = ["Distances (query minus key) a layer attends at that length but never attended at the training length, with its "
-             "current alpha; dense and block-sparse layers reach every distance. 0: the layer only meets trained relative positions."]
+    notes = [
+        "Distances (query minus key) a layer attends at that length but never attended at the training length, with its "
+        "current alpha; dense and block-sparse layers reach every distance. 0: the layer only meets trained relative positions."
+    ]
     missing = [r.label for r in runs if "new_distances" not in r.report]
     if missing:
         notes.append(f"Not recorded (evaluated before the count existed): {', '.join(missing)}.")
@@ -331,31 +337,50 @@ def error_law_table(runs: list[RunEval]) -> Table | None:
     for r in with_law:
         for name, by_length in r.report["error_law"].items():
             for length, layers in sorted(by_length.items(), key=lambda kv: int(kv[0])):
-                rows.append([r.label, name, length, _num(sum(x["mean_mass"] for x in layers) / len(layers), 4),
-                             _num(sum(x["slope"] for x in layers) / len(layers), 3), _num(min(x["r2"] for x in layers), 3),
-                             str(sum(x["bound_violations"] for x in layers)), str(sum(x["queries"] for x in layers))])
-                csv_rows += [[r.label, name, int(length), i, x["mean_mass"], x["slope"], x["r2"], x["bound_violations"], x["queries"]]
-                             for i, x in enumerate(layers)]
-    notes = ["Per query and head: error = ||o - o_dense|| (the layer's own attention against dense, same q, k, v), m = dropped mass; "
-             "slope = least squares of error = c m through the origin; the bound is 2 m max_{j<=i} ||v_j||."]
-    return Table("error_law", "Approximation error vs dropped mass (paper B)", header, rows,
-                 ["run", "dataset", "length", "layer", "mean_mass", "slope", "r2", "bound_violations", "queries"], csv_rows, notes)
+                rows.append(
+                    [
+                        r.label,
+                        name,
+                        length,
+                        _num(sum(x["mean_mass"] for x in layers) / len(layers), 4),
+                        _num(sum(x["slope"] for x in layers) / len(layers), 3),
+                        _num(min(x["r2"] for x in layers), 3),
+                        str(sum(x["bound_violations"] for x in layers)),
+                        str(sum(x["queries"] for x in layers)),
+                    ]
+                )
+                csv_rows += [
+                    [r.label, name, int(length), i, x["mean_mass"], x["slope"], x["r2"], x["bound_violations"], x["queries"]] for i, x in enumerate(layers)
+                ]
+    notes = [
+        "Per query and head: error = ||o - o_dense|| (the layer's own attention against dense, same q, k, v), m = dropped mass; "
+        "slope = least squares of error = c m through the origin; the bound is 2 m max_{j<=i} ||v_j||."
+    ]
+    return Table(
+        "error_law",
+        "Approximation error vs dropped mass (paper B)",
+        header,
+        rows,
+        ["run", "dataset", "length", "layer", "mean_mass", "slope", "r2", "bound_violations", "queries"],
+        csv_rows,
+        notes,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The whole report
 
 
-def build_report(paths: list[str | Path], out: str | Path, *, reference: str | None = None, step: int | None = None,
-                 dataset: str | None = None, plots: bool = True) -> Report:
+def build_report(
+    paths: list[str | Path], out: str | Path, *, reference: str | None = None, step: int | None = None, dataset: str | None = None, plots: bool = True
+) -> Report:
     """Load the runs, write the CSVs, the PNGs and report.md into ``out``; return all of it."""
     runs, skipped = load_runs(paths, step)
     if not runs:
         raise ReportError("no evaluated run to report on:\n  " + "\n  ".join(skipped))
     datasets = datasets_of(runs, dataset)
     ref = find_run(runs, reference) if reference else None
-    tables = [matrix_table(runs, datasets), extrap_table(runs, datasets), posloss_table(runs, datasets, ref), alpha_table(runs),
-              new_distance_table(runs)]
+    tables = [matrix_table(runs, datasets), extrap_table(runs, datasets), posloss_table(runs, datasets, ref), alpha_table(runs), new_distance_table(runs)]
     tables += [t for t in (error_law_table(runs),) if t is not None]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -129,8 +129,15 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
     return streams
 
 
-def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.ndarray], max_tokens: int, attention: AttentionConfig | None = None,
-                 dropped_mass: bool = False) -> dict:
+def evaluate_run(
+    run: LoadedRun,
+    *,
+    lengths: list[int],
+    datasets: dict[str, np.ndarray],
+    max_tokens: int,
+    attention: AttentionConfig | None = None,
+    dropped_mass: bool = False,
+) -> dict:
     params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
     alphas = layer_alphas(params, model_cfg)
     frozen_params, frozen_cfg = frozen_alphas(params, model_cfg, alphas)
@@ -141,15 +148,25 @@ def evaluate_run(run: LoadedRun, *, lengths: list[int], datasets: dict[str, np.n
         rows = evaluate_lengths(frozen_cfg, frozen_params, stream, lengths, max_tokens=max_tokens, rows_tokens=rows_tokens, mesh=mesh)
         results[name] = [r.as_dict() for r in rows]
         if dropped_mass:
-            masses[name] = {str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens)
-                            for n in lengths}
+            masses[name] = {
+                str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths
+            }
             laws[name] = {str(n): error_law(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
     check_finite(run, results)
     report = {
-        "run": run.cfg.name, "workdir": str(run.workdir), "step": run.step, "train_seq_len": run.cfg.seq_len, "lengths": lengths, "max_tokens": max_tokens,
-        "num_layers": model_cfg.num_layers, "attention": dataclasses.asdict(model_cfg.attention), "attention_override": attention is not None,
+        "run": run.cfg.name,
+        "workdir": str(run.workdir),
+        "step": run.step,
+        "train_seq_len": run.cfg.seq_len,
+        "lengths": lengths,
+        "max_tokens": max_tokens,
+        "num_layers": model_cfg.num_layers,
+        "attention": dataclasses.asdict(model_cfg.attention),
+        "attention_override": attention is not None,
         "rope": rope_setting(model_cfg),
-        "alphas": alphas, "alpha_init": initial_alphas(model_cfg), "datasets": results,
+        "alphas": alphas,
+        "alpha_init": initial_alphas(model_cfg),
+        "datasets": results,
         "new_distances": {str(n): new_distances(model_cfg.attention, alphas, run.cfg.seq_len, n) for n in lengths},
     }
     if dropped_mass:
@@ -189,8 +206,10 @@ def check_finite(run: LoadedRun, results: dict[str, list[dict]]) -> None:
     for name, rows in results.items():
         bad = [r for r in rows if not (math.isfinite(r["nll"]) and math.isfinite(r["ppl"]))]
         if bad:
-            raise EvalError(f"{run.workdir} step {run.step}: the NLL on {name} at length {bad[0]['length']} is {bad[0]['nll']}, not a "
-                            "number; nothing was written. The checkpoint's parameters or the data are damaged.")
+            raise EvalError(
+                f"{run.workdir} step {run.step}: the NLL on {name} at length {bad[0]['length']} is {bad[0]['nll']}, not a "
+                "number; nothing was written. The checkpoint's parameters or the data are damaged."
+            )
 
 
 def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int | None = None, block_size: int | None = None) -> list[str]:
@@ -212,8 +231,10 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
         out.append(f"block_size={block_size}")
     kind = apply_overrides(cfg.model.attention, out).kind
     if (num_blocks or block_size) and kind not in ("block_sparse", "nsa"):
-        raise ConfigError(f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
-                          "(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)")
+        raise ConfigError(
+            f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
+            "(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)"
+        )
     if block_size and kind == "nsa":
         raise ConfigError("--block-size: NSA's compression parameters are sized by the trained block size; change --num-blocks only")
     return out
@@ -283,10 +304,18 @@ def rope_setting(model_cfg) -> dict:
     return {key: getattr(model_cfg, field) for key, field in ROPE_KEYS.items()}
 
 
-def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, lengths: list[int] | None = None,
-                     specs: dict[str, str] | None = None, max_tokens: int | None = None,
-                     attention_overrides: list[str] | None = None, dropped_mass: bool = False,
-                     rope: list[str] | None = None, tag: str | None = None) -> tuple[dict, Path]:
+def evaluate_workdir(
+    workdir: str | Path,
+    *,
+    step_number: int | None = None,
+    lengths: list[int] | None = None,
+    specs: dict[str, str] | None = None,
+    max_tokens: int | None = None,
+    attention_overrides: list[str] | None = None,
+    dropped_mass: bool = False,
+    rope: list[str] | None = None,
+    tag: str | None = None,
+) -> tuple[dict, Path]:
     """The whole evaluation of one run directory; returns the report and where it was written.
 
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
@@ -297,8 +326,14 @@ def evaluate_workdir(workdir: str | Path, *, step_number: int | None = None, len
         run = with_rope(run, rope)
     lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])
     attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
-    report = evaluate_run(run, lengths=lengths, datasets=dataset_streams(run, specs), max_tokens=max_tokens or run.cfg.eval.max_tokens,
-                          attention=attention, dropped_mass=dropped_mass)
+    report = evaluate_run(
+        run,
+        lengths=lengths,
+        datasets=dataset_streams(run, specs),
+        max_tokens=max_tokens or run.cfg.eval.max_tokens,
+        attention=attention,
+        dropped_mass=dropped_mass,
+    )
     report["data"] = specs or {"(the run's own validation sources)": str(run.data_dir)}
     # one file per evaluation setting, so a later evaluation never replaces the end-of-training one
     if tag is None:
@@ -333,8 +368,11 @@ def format_table(report: dict) -> str:
     where = f" ({report['workdir']})" if "workdir" in report else ""
     rope = report.get("rope", {})
     scaled = f"; RoPE {rope['scaling']} x{rope['factor']:g}, theta {rope['theta']:g}" if rope.get("scaling", "none") != "none" else ""
-    lines = [f"{report['run']}{where} step {report['step']} (trained at {report['train_seq_len']} tokens{scaled})",
-             "| dataset | length | tokens | NLL | ppl | change vs first length |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"{report['run']}{where} step {report['step']} (trained at {report['train_seq_len']} tokens{scaled})",
+        "| dataset | length | tokens | NLL | ppl | change vs first length |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, rows in report["datasets"].items():
         base = rows[0]["ppl"]
         for r in rows:
@@ -349,7 +387,10 @@ def format_table(report: dict) -> str:
             lines.append(f"dropped mass vs dense, {name} @ {length}: " + " ".join(f"{m:.3f}" for m in per_layer) + f" (mean {np.mean(per_layer):.3f})")
     for name, by_length in report.get("error_law", {}).items():
         for length, layers in by_length.items():
-            lines.append(f"error law, {name} @ {length}: ||o - o_dense|| / dropped mass, slope per layer " + " ".join(f"{x['slope']:.2f}" for x in layers)
-                         + f"; R^2 >= {min(x['r2'] for x in layers):.2f}; bound 2 m max||v|| broken by {sum(x['bound_violations'] for x in layers)}"
-                         f" of {sum(x['queries'] for x in layers)} queries")
+            lines.append(
+                f"error law, {name} @ {length}: ||o - o_dense|| / dropped mass, slope per layer "
+                + " ".join(f"{x['slope']:.2f}" for x in layers)
+                + f"; R^2 >= {min(x['r2'] for x in layers):.2f}; bound 2 m max||v|| broken by {sum(x['bound_violations'] for x in layers)}"
+                f" of {sum(x['queries'] for x in layers)} queries"
+            )
     return "\n".join(lines)

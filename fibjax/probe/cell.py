@@ -110,11 +110,26 @@ class CellSpec:
         return AttentionConfig(window=self.window, **CONDITIONS[self.condition])
 
     def train_config(self) -> TrainConfig:
-        model = ModelConfig(vocab_size=self.vocab_size, d_model=self.d_model, num_layers=self.depth, num_heads=self.num_heads,
-                            num_kv_heads=self.num_kv_heads, attention=self.attention())
+        model = ModelConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            num_layers=self.depth,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            attention=self.attention(),
+        )
         optim = OptimConfig(lr=self.lr, warmup_steps=self.warmup_steps, alpha_lr_multiplier=self.alpha_lr_multiplier)
-        return TrainConfig(name=f"probe_{self.experiment}_{self.name}", seed=self.seed, steps=self.steps, seq_len=self.seq_len,
-                           global_batch=self.batch, log_every=self.log_every, model=model, optim=optim, mesh=MeshConfig(data=1))
+        return TrainConfig(
+            name=f"probe_{self.experiment}_{self.name}",
+            seed=self.seed,
+            steps=self.steps,
+            seq_len=self.seq_len,
+            global_batch=self.batch,
+            log_every=self.log_every,
+            model=model,
+            optim=optim,
+            mesh=MeshConfig(data=1),
+        )
 
     def train_batch(self, step_index: int) -> dict[str, np.ndarray]:
         """Step s's batch: a function of (seed, s) only."""
@@ -139,10 +154,18 @@ def _geometry(spec: CellSpec, alphas: list[float]) -> dict:
     if attention.kind != "offset":
         return {}
     sets = geometry.layer_distances(attention, spec.depth, spec.seq_len, alphas)
-    return {"alphas": alphas, "rung_distances": [[d for d in s if d > spec.window] for s in sets],
-            "bands": [{"band": [b.lo, b.hi], "layers": geometry.distance_table(b, attention, spec.depth, spec.seq_len, alphas),
-                       "stack_reaches": sorted(set(b.distances()) & geometry.stack_reach(sets, spec.seq_len))}
-                      for b in spec.target_bands()]}
+    return {
+        "alphas": alphas,
+        "rung_distances": [[d for d in s if d > spec.window] for s in sets],
+        "bands": [
+            {
+                "band": [b.lo, b.hi],
+                "layers": geometry.distance_table(b, attention, spec.depth, spec.seq_len, alphas),
+                "stack_reaches": sorted(set(b.distances()) & geometry.stack_reach(sets, spec.seq_len)),
+            }
+            for b in spec.target_bands()
+        ],
+    }
 
 
 def evaluate(spec: CellSpec, forward: Callable, params) -> dict:
@@ -156,8 +179,12 @@ def evaluate(spec: CellSpec, forward: Callable, params) -> dict:
             for d, (hit, n) in marked_correct(pred, b).items():
                 counts[d][0] += hit
                 counts[d][1] += n
-        return {"distances": list(spec.marked_distances), "accuracy": [h / max(n, 1) for h, n in counts.values()],
-                "positions": [n for _, n in counts.values()], "chance": 1 / spec.vocab_size}
+        return {
+            "distances": list(spec.marked_distances),
+            "accuracy": [h / max(n, 1) for h, n in counts.values()],
+            "positions": [n for _, n in counts.values()],
+            "chance": 1 / spec.vocab_size,
+        }
     accuracy = []
     for d in spec.read_distances():
         rng = np.random.default_rng((spec.seed, _EVAL_STREAM, d))
@@ -198,8 +225,10 @@ def run_cell(spec: CellSpec, log: Callable[[str], None] = print) -> dict:
                     alpha_steps.append(s)
                     alphas.append([float(metrics["alphas"][f"layer_{i}"]) for i in range(spec.depth)])
             if s % max(spec.steps // 5, 1) == 0 and losses:
-                log(f"  {spec.experiment}/{spec.name}: step {s}/{spec.steps} loss {losses[-1]:.3f}"
-                    + (f" alphas {np.round(alphas[-1], 3).tolist()}" if alphas else ""))
+                log(
+                    f"  {spec.experiment}/{spec.name}: step {s}/{spec.steps} loss {losses[-1]:.3f}"
+                    + (f" alphas {np.round(alphas[-1], 3).tolist()}" if alphas else "")
+                )
 
         pending = None
         for s in range(spec.steps):
@@ -215,16 +244,24 @@ def run_cell(spec: CellSpec, log: Callable[[str], None] = print) -> dict:
         accuracy = evaluate(spec, forward, state["params"])
     alpha_final = layer_alphas(state["params"], attention, spec.depth)
     return {
-        "experiment": spec.experiment, "task": spec.task, "condition": spec.condition, "depth": spec.depth, "name": spec.name,
-        "spec": dataclasses.asdict(spec), "attention": dataclasses.asdict(attention), "learned": attention.is_learned,
+        "experiment": spec.experiment,
+        "task": spec.task,
+        "condition": spec.condition,
+        "depth": spec.depth,
+        "name": spec.name,
+        "spec": dataclasses.asdict(spec),
+        "attention": dataclasses.asdict(attention),
+        "learned": attention.is_learned,
         "params": int(sum(x.size for x in jax.tree.leaves(state["params"]))),
         "train_distances": spec.sampler().support() if spec.task == "retrieval" else list(spec.marked_distances),
         "bands": [[b.lo, b.hi] for b in spec.target_bands()],
-        "alpha_init": alpha_init, "alpha_final": alpha_final,
+        "alpha_init": alpha_init,
+        "alpha_final": alpha_final,
         "alpha_trajectory": {"steps": alpha_steps, "alphas": alphas},
         "loss_trajectory": {"steps": loss_steps, "loss": losses},
         "accuracy": accuracy,
         "geometry": {"init": _geometry(spec, alpha_init), "final": _geometry(spec, alpha_final)},
         "seconds": {"train": train_s, "total": time.perf_counter() - start},
-        "jax": jax.__version__, "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
     }

@@ -88,8 +88,9 @@ def distance_table(band: Band, attention: AttentionConfig, num_layers: int, seq_
         nearest = min(ds, key=lambda d: (abs(d - band.centre), d))
         gap = 0 if band.lo <= nearest <= band.hi else min(abs(nearest - band.lo), abs(nearest - band.hi))
         needed = nearest_alpha(band.centre, a, window=attention.window, base=attention.bounded_base, seq_len=seq_len)
-        rows.append({"layer": layer, "alpha": float(a), "nearest_distance": nearest, "distance_to_band": gap,
-                     "alpha_for_centre": needed, "covers_band": gap == 0})
+        rows.append(
+            {"layer": layer, "alpha": float(a), "nearest_distance": nearest, "distance_to_band": gap, "alpha_for_centre": needed, "covers_band": gap == 0}
+        )
     return rows
 
 

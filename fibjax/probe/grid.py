@@ -78,8 +78,9 @@ def marked_pair(opts: GridOptions) -> tuple[int, int]:
 
 
 def cell_specs(opts: GridOptions, experiment: str) -> list[CellSpec]:
-    common = dict(seq_len=opts.seq_len, window=opts.window, steps=opts.steps, batch=opts.batch, lr=opts.lr, seed=opts.seed,
-                  alpha_lr_multiplier=opts.alpha_lr_multiplier)
+    common = dict(
+        seq_len=opts.seq_len, window=opts.window, steps=opts.steps, batch=opts.batch, lr=opts.lr, seed=opts.seed, alpha_lr_multiplier=opts.alpha_lr_multiplier
+    )
     if experiment == "marked":
         task = dict(task="marked", marked_distances=marked_pair(opts))
     elif experiment == "coverage":
@@ -97,8 +98,22 @@ def cell_specs(opts: GridOptions, experiment: str) -> list[CellSpec]:
 
 def smoke_spec(seed: int = 0) -> CellSpec:
     """One small cell (well under a minute on 2 cores): dense, depth 2, retrieval at 2..8."""
-    return CellSpec(experiment="smoke", task="retrieval", condition="dense", depth=2, bands=((2, 8),), eval_distances=(2, 4, 6, 8),
-                    seq_len=32, d_model=64, steps=500, batch=32, lr=3e-3, warmup_steps=30, eval_examples=128, seed=seed)
+    return CellSpec(
+        experiment="smoke",
+        task="retrieval",
+        condition="dense",
+        depth=2,
+        bands=((2, 8),),
+        eval_distances=(2, 4, 6, 8),
+        seq_len=32,
+        d_model=64,
+        steps=500,
+        batch=32,
+        lr=3e-3,
+        warmup_steps=30,
+        eval_examples=128,
+        seed=seed,
+    )
 
 
 def cell_path(out: Path, spec: CellSpec) -> Path:
@@ -118,9 +133,11 @@ def plan(opts: GridOptions) -> str:
     t, w = opts.seq_len, opts.window
     at_one = offsets.attended_distances(window=w, base="fibonacci", alpha=1.0, seq_len=t)
     cands = geometry.band_candidates(window=w, base="fibonacci", seq_len=t, width=opts.band_width, max_distance=max_retrieval_distance(t))
-    lines = [f"T = {t}, W = {w}. Distances attended at alpha = 1 (fibonacci): {list(at_one)}.",
-             f"Band centres (width {opts.band_width}) that no alpha = 1 rung covers and some alpha in [0.5, 1.5] puts a rung on: {cands}.",
-             f"One per gap, farthest from the rungs first: {ranked_gap_centres(opts, opts.band_width)}."]
+    lines = [
+        f"T = {t}, W = {w}. Distances attended at alpha = 1 (fibonacci): {list(at_one)}.",
+        f"Band centres (width {opts.band_width}) that no alpha = 1 rung covers and some alpha in [0.5, 1.5] puts a rung on: {cands}.",
+        f"One per gap, farthest from the rungs first: {ranked_gap_centres(opts, opts.band_width)}.",
+    ]
     chosen = {e: band_centres(opts, e) for e in opts.experiments if e in ("band", "multiband", "soft")}
     if "marked" in opts.experiments:
         chosen["marked"] = list(marked_pair(opts))
@@ -141,7 +158,12 @@ def run_grid(opts: GridOptions, out: Path, log: Callable[[str], None] = print, *
         record = run_cell(spec, log)
         write_json(cell_path(out, spec), record)
         acc = record["accuracy"]
-        log(f"[{i}/{len(todo)}] {spec.experiment}/{spec.name}: {record['seconds']['total']:.0f} s; alphas {[round(a, 3) for a in record['alpha_final']]}; "
-            + (f"accuracy {dict(zip(acc['distances'], [round(a, 3) for a in acc['accuracy']]))}" if spec.task == "marked"
-               else f"mean accuracy {sum(acc['accuracy']) / len(acc['accuracy']):.3f}"))
+        log(
+            f"[{i}/{len(todo)}] {spec.experiment}/{spec.name}: {record['seconds']['total']:.0f} s; alphas {[round(a, 3) for a in record['alpha_final']]}; "
+            + (
+                f"accuracy {dict(zip(acc['distances'], [round(a, 3) for a in acc['accuracy']]))}"
+                if spec.task == "marked"
+                else f"mean accuracy {sum(acc['accuracy']) / len(acc['accuracy']):.3f}"
+            )
+        )
     return [cell_path(out, s) for s in specs]

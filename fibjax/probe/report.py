@@ -70,15 +70,32 @@ def accuracy_table(experiment: str, cells: list[dict]) -> Table:
     rows, csv_rows = [], []
     for c in cells:
         acc = dict(zip(c["accuracy"]["distances"], c["accuracy"]["accuracy"]))
-        rows.append([c["condition"], str(c["depth"]), _band_text(c["bands"]), _num(_in_band_mean(c)), _num(float(np.mean(list(acc.values())))),
-                     *(_num(acc[d]) for d in cols)])
+        rows.append(
+            [
+                c["condition"],
+                str(c["depth"]),
+                _band_text(c["bands"]),
+                _num(_in_band_mean(c)),
+                _num(float(np.mean(list(acc.values())))),
+                *(_num(acc[d]) for d in cols),
+            ]
+        )
         csv_rows += [[experiment, c["condition"], c["depth"], d, a] for d, a in acc.items()]
     chance = cells[0]["accuracy"]["chance"]
-    notes = [f"Forced-choice accuracy at the query among the {round(1 / chance)} values present (chance {chance:.2f}), "
-             f"{cells[0]['accuracy']['examples']} sequences per distance; 'in band': mean over the trained distances, 'all': over every distance read. "
-             "Columns: the band's edges and centre and the distances of the alpha = 1 Fibonacci rungs; every distance is in the CSV."]
-    return Table(f"accuracy_{experiment}", f"{experiment}: accuracy by distance", header, rows,
-                 ["experiment", "condition", "depth", "distance", "accuracy"], csv_rows, notes)
+    notes = [
+        f"Forced-choice accuracy at the query among the {round(1 / chance)} values present (chance {chance:.2f}), "
+        f"{cells[0]['accuracy']['examples']} sequences per distance; 'in band': mean over the trained distances, 'all': over every distance read. "
+        "Columns: the band's edges and centre and the distances of the alpha = 1 Fibonacci rungs; every distance is in the CSV."
+    ]
+    return Table(
+        f"accuracy_{experiment}",
+        f"{experiment}: accuracy by distance",
+        header,
+        rows,
+        ["experiment", "condition", "depth", "distance", "accuracy"],
+        csv_rows,
+        notes,
+    )
 
 
 def marked_table(cells: list[dict]) -> Table:
@@ -90,8 +107,15 @@ def marked_table(cells: list[dict]) -> Table:
         rows.append([c["condition"], str(c["depth"]), _num(a1), _num(a2), _alpha_range(c["alpha_final"])])
         csv_rows.append([c["condition"], c["depth"], d1, a1, d2, a2, " ".join(f"{a:.4f}" for a in c["alpha_final"])])
     notes = [f"Argmax over the full vocabulary at every position that copies from d1 = {d1} or d2 = {d2} (chance {cells[0]['accuracy']['chance']:.4f})."]
-    return Table("marked", f"marked copy: accuracy at d1 = {d1} and d2 = {d2}", header, rows,
-                 ["condition", "depth", "d1", "acc_d1", "d2", "acc_d2", "alphas"], csv_rows, notes)
+    return Table(
+        "marked",
+        f"marked copy: accuracy at d1 = {d1} and d2 = {d2}",
+        header,
+        rows,
+        ["condition", "depth", "d1", "acc_d1", "d2", "acc_d2", "alphas"],
+        csv_rows,
+        notes,
+    )
 
 
 def _alpha_range(alphas: list[float]) -> str:
@@ -106,23 +130,84 @@ def _excursion(cell: dict) -> list[float]:
 
 def alpha_table(cells: list[dict]) -> Table:
     """Every learned layer: alpha start -> end, and its rungs against each trained band."""
-    header = ["experiment", "condition", "depth", "layer", "alpha init", "alpha end", "max |change|", "band",
-              "nearest rung: init -> end", "outside band by: init -> end", "alpha that puts a rung on the centre"]
+    header = [
+        "experiment",
+        "condition",
+        "depth",
+        "layer",
+        "alpha init",
+        "alpha end",
+        "max |change|",
+        "band",
+        "nearest rung: init -> end",
+        "outside band by: init -> end",
+        "alpha that puts a rung on the centre",
+    ]
     rows, csv_rows = [], []
     for c in (c for c in cells if c["learned"]):
         exc = _excursion(c)
         for start, end in zip(c["geometry"]["init"]["bands"], c["geometry"]["final"]["bands"]):
             for layer, (s, e) in enumerate(zip(start["layers"], end["layers"])):
-                rows.append([c["experiment"], c["condition"], str(c["depth"]), str(layer), f"{s['alpha']:.4f}", f"{e['alpha']:.4f}",
-                             f"{exc[layer]:.4f}", _band_text([start["band"]]), f"{s['nearest_distance']} -> {e['nearest_distance']}",
-                             f"{s['distance_to_band']} -> {e['distance_to_band']}", _num(e["alpha_for_centre"], 3)])
-                csv_rows.append([c["experiment"], c["condition"], c["depth"], layer, s["alpha"], e["alpha"], exc[layer], *start["band"],
-                                 s["nearest_distance"], e["nearest_distance"], s["distance_to_band"], e["distance_to_band"], e["alpha_for_centre"]])
-    notes = ["A layer's rungs sit at round(alpha * f); 'outside band by' is how far its rung nearest the band's centre is from the band "
-             "(0: a rung is on the band). The last column is the alpha nearest the layer's own that puts a rung exactly on the centre."]
-    return Table("alpha", "Learned alpha: start, end, and distance to the rewarded band", header, rows,
-                 ["experiment", "condition", "depth", "layer", "alpha_init", "alpha_end", "max_abs_change", "band_lo", "band_hi",
-                  "nearest_init", "nearest_end", "outside_init", "outside_end", "alpha_for_centre"], csv_rows, notes)
+                rows.append(
+                    [
+                        c["experiment"],
+                        c["condition"],
+                        str(c["depth"]),
+                        str(layer),
+                        f"{s['alpha']:.4f}",
+                        f"{e['alpha']:.4f}",
+                        f"{exc[layer]:.4f}",
+                        _band_text([start["band"]]),
+                        f"{s['nearest_distance']} -> {e['nearest_distance']}",
+                        f"{s['distance_to_band']} -> {e['distance_to_band']}",
+                        _num(e["alpha_for_centre"], 3),
+                    ]
+                )
+                csv_rows.append(
+                    [
+                        c["experiment"],
+                        c["condition"],
+                        c["depth"],
+                        layer,
+                        s["alpha"],
+                        e["alpha"],
+                        exc[layer],
+                        *start["band"],
+                        s["nearest_distance"],
+                        e["nearest_distance"],
+                        s["distance_to_band"],
+                        e["distance_to_band"],
+                        e["alpha_for_centre"],
+                    ]
+                )
+    notes = [
+        "A layer's rungs sit at round(alpha * f); 'outside band by' is how far its rung nearest the band's centre is from the band "
+        "(0: a rung is on the band). The last column is the alpha nearest the layer's own that puts a rung exactly on the centre."
+    ]
+    return Table(
+        "alpha",
+        "Learned alpha: start, end, and distance to the rewarded band",
+        header,
+        rows,
+        [
+            "experiment",
+            "condition",
+            "depth",
+            "layer",
+            "alpha_init",
+            "alpha_end",
+            "max_abs_change",
+            "band_lo",
+            "band_hi",
+            "nearest_init",
+            "nearest_end",
+            "outside_init",
+            "outside_end",
+            "alpha_for_centre",
+        ],
+        csv_rows,
+        notes,
+    )
 
 
 def _relay_text(cell: dict, when: str) -> str:
@@ -138,16 +223,61 @@ def summary_table(cells: list[dict]) -> Table:
         reached = any(lay["covers_band"] for band in c["geometry"]["final"]["bands"] for lay in band["layers"])
         was = any(lay["covers_band"] for band in c["geometry"]["init"]["bands"] for lay in band["layers"])
         exc = max(_excursion(c), default=0.0)
-        rows.append([c["experiment"], c["condition"], str(c["depth"]), _alpha_range(c["alpha_init"]), _alpha_range(c["alpha_final"]),
-                     f"{exc:.4f}", "at init" if was else ("yes" if reached else "no"), f"{_relay_text(c, 'init')} -> {_relay_text(c, 'final')}"])
-        csv_rows.append([c["experiment"], c["condition"], c["depth"], min(c["alpha_init"]), max(c["alpha_init"]), min(c["alpha_final"]),
-                         max(c["alpha_final"]), exc, was, reached, _relay_text(c, "init"), _relay_text(c, "final")])
-    notes = ["'a rung on it': some layer has a rung on a trained band (or distance) at the end of training ('at init': already at the start). "
-             "'relay reach': per trained band, how many of its distances are a sum of one attended distance per layer (window included), "
-             "i.e. reachable by relaying a token through the stack, with the alphas at the start and at the end."]
-    return Table("alpha_summary", "Did alpha move?", header, rows,
-                 ["experiment", "condition", "depth", "init_min", "init_max", "end_min", "end_max", "max_abs_change", "rung_at_init", "rung_at_end",
-                  "relay_init", "relay_end"], csv_rows, notes)
+        rows.append(
+            [
+                c["experiment"],
+                c["condition"],
+                str(c["depth"]),
+                _alpha_range(c["alpha_init"]),
+                _alpha_range(c["alpha_final"]),
+                f"{exc:.4f}",
+                "at init" if was else ("yes" if reached else "no"),
+                f"{_relay_text(c, 'init')} -> {_relay_text(c, 'final')}",
+            ]
+        )
+        csv_rows.append(
+            [
+                c["experiment"],
+                c["condition"],
+                c["depth"],
+                min(c["alpha_init"]),
+                max(c["alpha_init"]),
+                min(c["alpha_final"]),
+                max(c["alpha_final"]),
+                exc,
+                was,
+                reached,
+                _relay_text(c, "init"),
+                _relay_text(c, "final"),
+            ]
+        )
+    notes = [
+        "'a rung on it': some layer has a rung on a trained band (or distance) at the end of training ('at init': already at the start). "
+        "'relay reach': per trained band, how many of its distances are a sum of one attended distance per layer (window included), "
+        "i.e. reachable by relaying a token through the stack, with the alphas at the start and at the end."
+    ]
+    return Table(
+        "alpha_summary",
+        "Did alpha move?",
+        header,
+        rows,
+        [
+            "experiment",
+            "condition",
+            "depth",
+            "init_min",
+            "init_max",
+            "end_min",
+            "end_max",
+            "max_abs_change",
+            "rung_at_init",
+            "rung_at_end",
+            "relay_init",
+            "relay_end",
+        ],
+        csv_rows,
+        notes,
+    )
 
 
 def build_tables(cells: list[dict]) -> list[Table]:
@@ -196,8 +326,15 @@ def plot_marked(cells: list[dict], path: Path, styles) -> bool:
         group = [c for c in cells if c["depth"] == depth]
         x = np.arange(len(group))
         for k, (d, hatch) in enumerate(((d1, ""), (d2, "//"))):
-            ax.bar(x + (k - 0.5) * 0.38, [c["accuracy"]["accuracy"][k] for c in group], 0.38, hatch=hatch, edgecolor="white",
-                   color=[styles[c["condition"]].color for c in group], label=f"d = {d}")
+            ax.bar(
+                x + (k - 0.5) * 0.38,
+                [c["accuracy"]["accuracy"][k] for c in group],
+                0.38,
+                hatch=hatch,
+                edgecolor="white",
+                color=[styles[c["condition"]].color for c in group],
+                label=f"d = {d}",
+            )
         ax.set_xticks(x, [c["condition"] for c in group], rotation=30, ha="right")
         ax.set_ylim(0, 1.03)
         ax.set_ylabel("copy accuracy")
@@ -223,8 +360,11 @@ def plot_alpha_trajectories(experiment: str, cells: list[dict], path: Path) -> b
                 ax.set_visible(False)
                 continue
             spec = cell["spec"]
-            targets = {min(max(c / f, lo), hi) for c in ((lo_d + hi_d) // 2 for lo_d, hi_d in cell["bands"])
-                       for f, lo, hi in geometry.alphas_for(c, window=spec["window"], base="fibonacci", seq_len=spec["seq_len"])}
+            targets = {
+                min(max(c / f, lo), hi)
+                for c in ((lo_d + hi_d) // 2 for lo_d, hi_d in cell["bands"])
+                for f, lo, hi in geometry.alphas_for(c, window=spec["window"], base="fibonacci", seq_len=spec["seq_len"])
+            }
             for a in sorted(targets):
                 ax.axhline(a, color=plots.GUIDE, linestyle="--", linewidth=1, zorder=0)
             steps, traj = cell["alpha_trajectory"]["steps"], np.asarray(cell["alpha_trajectory"]["alphas"])
@@ -292,8 +432,9 @@ def build_report(out: Path, *, make_plots: bool = True) -> tuple[list[Table], li
                     made = [("marked copy: accuracy at d1 and d2", out / "marked.png", lambda p: plot_marked(group, p, styles))]
                 else:
                     made = [(f"{experiment}: accuracy by distance", out / f"accuracy_{experiment}.png", lambda p: plot_accuracy(experiment, group, p, styles))]
-                made.append((f"{experiment}: learned alpha during training", out / f"alpha_{experiment}.png",
-                             lambda p: plot_alpha_trajectories(experiment, group, p)))
+                made.append(
+                    (f"{experiment}: learned alpha during training", out / f"alpha_{experiment}.png", lambda p: plot_alpha_trajectories(experiment, group, p))
+                )
                 made.append((f"{experiment}: training loss", out / f"loss_{experiment}.png", lambda p: plot_loss(experiment, group, p, styles)))
                 figures += [(t, p) for t, p, fn in made if fn(p)]
         written += [p for _, p in figures]
@@ -304,10 +445,14 @@ def build_report(out: Path, *, make_plots: bool = True) -> tuple[list[Table], li
 
 def render(cells: list[dict], tables: list[Table], figures: list[tuple[str, Path]]) -> str:
     spec = cells[0]["spec"]
-    lines = ["# fibjax retrieval probe", "",
-             f"{len(cells)} cells. Model: d_model {spec['d_model']}, {spec['num_heads']} heads, {spec['num_kv_heads']} KV heads, window {spec['window']}, "
-             f"sequence {spec['seq_len']}; {spec['steps']} steps of {spec['batch']} sequences, lr {spec['lr']}, seed {spec['seed']} "
-             "(each cell's JSON holds its full spec).", ""]
+    lines = [
+        "# fibjax retrieval probe",
+        "",
+        f"{len(cells)} cells. Model: d_model {spec['d_model']}, {spec['num_heads']} heads, {spec['num_kv_heads']} KV heads, window {spec['window']}, "
+        f"sequence {spec['seq_len']}; {spec['steps']} steps of {spec['batch']} sequences, lr {spec['lr']}, seed {spec['seed']} "
+        "(each cell's JSON holds its full spec).",
+        "",
+    ]
     lines += ["## Distances", "", *distances_section(cells), ""]
     for t in tables:
         lines += [t.markdown(), "", f"CSV: [{t.name}.csv]({t.name}.csv)", ""]

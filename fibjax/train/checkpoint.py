@@ -37,8 +37,18 @@ SUMS_FILE = "fibjax.sha256.json"
 SET_ASIDE_DIR = "checkpoints.set_aside"
 # Fields a resumed run may change: how long and how often, and how the same step is computed
 # (layout, activation checkpointing, scanned layers, loss chunks), not what is trained.
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint", "eval", "mesh", "data.worker_count", "data.prepare",
-                     "model.remat", "model.scan_layers", "model.logits_chunk")
+RESUMABLE_CHANGES = (
+    "steps",
+    "log_every",
+    "checkpoint",
+    "eval",
+    "mesh",
+    "data.worker_count",
+    "data.prepare",
+    "model.remat",
+    "model.scan_layers",
+    "model.logits_chunk",
+)
 
 
 class CheckpointError(RuntimeError):
@@ -82,7 +92,8 @@ def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
     if diff:
         raise CheckpointError(
             f"workdir {workdir} holds a run with a different config; nothing was changed. Differences:\n  "
-            + "\n  ".join(diff) + "\nUse a new --workdir, or the same config to resume."
+            + "\n  ".join(diff)
+            + "\nUse a new --workdir, or the same config to resume."
         )
     return saved
 
@@ -103,8 +114,10 @@ def check_tokenizer_pin(workdir: Path, sha256: str) -> None:
     its token ids; training on or evaluating with it would give wrong numbers silently."""
     pinned = pinned_tokenizer(workdir)
     if pinned is not None and pinned != sha256:
-        raise CheckpointError(f"the run in {workdir} was trained with tokenizer sha256 {pinned[:12]}..., but its data directory now holds "
-                              f"{sha256[:12]}... (prepared again?); the token ids would not match. Point data.path at the original data.")
+        raise CheckpointError(
+            f"the run in {workdir} was trained with tokenizer sha256 {pinned[:12]}..., but its data directory now holds "
+            f"{sha256[:12]}... (prepared again?); the token ids would not match. Point data.path at the original data."
+        )
 
 
 def pin_tokenizer(workdir: Path, sha256: str) -> None:
@@ -342,8 +355,11 @@ class Checkpointer:
             raise self._damaged(step, f"{len(bad)} array(s) hold NaN or infinite values, e.g. {bad[0]}")
 
     def _unreadable(self, step: int, e: Exception) -> DamagedCheckpoint:
-        return self._damaged(step, f"it could not be read ({error_reason(e)}); either its files are damaged or it holds another "
-                                   f"model than {self.directory.parent / CONFIG_FILE} describes")
+        return self._damaged(
+            step,
+            f"it could not be read ({error_reason(e)}); either its files are damaged or it holds another "
+            f"model than {self.directory.parent / CONFIG_FILE} describes",
+        )
 
     def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
         others = [s for s in self.all_steps() if s != step]

@@ -52,11 +52,19 @@ def parse(spec: str) -> tuple[Path, int | None]:
 
 def check_compatible(source: TrainConfig, cfg: TrainConfig, where: str) -> list[str]:
     """The allowed differences (``"seq_len: 256 -> 1024"``), or ConfigError naming the forbidden ones."""
-    bad = [f"model.{name}: {getattr(source.model, name)} in {where}, {getattr(cfg.model, name)} here"
-           for name in FIXED if getattr(source.model, name) != getattr(cfg.model, name)]
+    bad = [
+        f"model.{name}: {getattr(source.model, name)} in {where}, {getattr(cfg.model, name)} here"
+        for name in FIXED
+        if getattr(source.model, name) != getattr(cfg.model, name)
+    ]
     if bad:
-        raise ConfigError("init_from: the parameters of " + where + " do not fit this model (" + "; ".join(bad)
-                          + "). Only fields that keep the parameter shapes may change: seq_len, rope_*, attention, ssa, optim, data, steps, seed")
+        raise ConfigError(
+            "init_from: the parameters of "
+            + where
+            + " do not fit this model ("
+            + "; ".join(bad)
+            + "). Only fields that keep the parameter shapes may change: seq_len, rope_*, attention, ssa, optim, data, steps, seed"
+        )
     return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed_fields(source, cfg).items() if k not in ("name", "init_from")]
 
 
@@ -82,8 +90,10 @@ def locate(cfg: TrainConfig) -> Source:
 
 def check_tokenizer(source: Source, tokenizer_sha256: str) -> None:
     if source.tokenizer_sha256 and source.tokenizer_sha256 != tokenizer_sha256:
-        raise ConfigError(f"init_from: {source.workdir} trained with another tokenizer (sha256 {source.tokenizer_sha256[:12]}...) than this "
-                          f"run's data ({tokenizer_sha256[:12]}...): its embedding rows would mean other tokens")
+        raise ConfigError(
+            f"init_from: {source.workdir} trained with another tokenizer (sha256 {source.tokenizer_sha256[:12]}...) than this "
+            f"run's data ({tokenizer_sha256[:12]}...): its embedding rows would mean other tokens"
+        )
 
 
 def source_params(source: Source, mesh: jax.sharding.Mesh) -> dict:

@@ -91,8 +91,7 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
     except DataError as e:
         if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
-            raise DataError(f"{e}. This config's data comes from (online, Hugging Face datasets, pip install -e \".[hf]\"): "
-                            f"{cfg.data.prepare}") from None
+            raise DataError(f'{e}. This config\'s data comes from (online, Hugging Face datasets, pip install -e ".[hf]"): {cfg.data.prepare}') from None
         if cfg.data.path:
             raise
         raise DataError(f"{e} ({data_dir} is the run's copy of the embedded corpus: delete it and run the same command again)") from None
@@ -110,8 +109,10 @@ def start_step(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> int:
         raise CheckpointError(f"--resume-step {resume_step}: {workdir} has no checkpoint of that step; its steps: {saved}")
     start = resume_step if resume_step is not None else (saved[-1] if saved else 0)
     if start > cfg.steps:
-        raise ConfigError(f"steps: {cfg.steps} is below step {start}, which the run in {workdir} has already reached; "
-                          f"pass steps={start} or more to continue it, or use a new --workdir")
+        raise ConfigError(
+            f"steps: {cfg.steps} is below step {start}, which the run in {workdir} has already reached; "
+            f"pass steps={start} or more to continue it, or use a new --workdir"
+        )
     return start
 
 
@@ -119,8 +120,11 @@ def warn_schedule_change(saved: TrainConfig, cfg: TrainConfig, start: int) -> No
     """Changing ``steps`` on resume is allowed (to extend a run), but the warm-up + cosine
     schedule is a function of ``steps``: say so, with the learning rate before and after."""
     old, new = float(lr_schedule(saved.optim, saved.steps)(start)), float(lr_schedule(cfg.optim, cfg.steps)(start))
-    print(f"warning: steps changed from {saved.steps} to {cfg.steps}: the learning-rate schedule (cosine decay to the last step) "
-          f"changes from step {start} on (lr {old:.3g} in the old schedule, {new:.3g} in the new)", file=sys.stderr)
+    print(
+        f"warning: steps changed from {saved.steps} to {cfg.steps}: the learning-rate schedule (cosine decay to the last step) "
+        f"changes from step {start} on (lr {old:.3g} in the old schedule, {new:.3g} in the new)",
+        file=sys.stderr,
+    )
 
 
 def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple[int, jax.sharding.Mesh | None, init_from.Source | None]:
@@ -145,8 +149,10 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
         if source:
             init_from.check_tokenizer(source, sha)
     elif cfg.data.default_vocab_size > cfg.model.vocab_size:  # the embedded corpus is prepared after the claim
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the embedded corpus's vocabulary "
-                          f"(data.default_vocab_size = {cfg.data.default_vocab_size})")
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the embedded corpus's vocabulary "
+            f"(data.default_vocab_size = {cfg.data.default_vocab_size})"
+        )
     return start, mesh, source
 
 
@@ -193,7 +199,7 @@ def validation_batches(cfg: TrainConfig, data_dir: Path) -> dict[str, np.ndarray
         n = min(cfg.eval.curve_tokens // cfg.seq_len, len(stream) // t) // rows
         if n:
             batches = np.asarray(stream[: n * rows * t], dtype=np.int32).reshape(n, rows, t)
-            out[name] = batches[:, jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
+            out[name] = batches[:, jax.process_index() * per_process : (jax.process_index() + 1) * per_process]
     return out
 
 
@@ -211,16 +217,21 @@ def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int 
         state = ckpt.restore(step, trainer.abstract_state, data_iter)
     except DamagedCheckpoint as e:
         earlier = ckpt.latest_intact_step(before=e.step)
-        way = (f"To continue from step {earlier}, run the same command with --resume-step {earlier} "
-               f"(the later steps are then moved to {ckpt.set_aside_directory}, not deleted)." if earlier
-               else "No earlier checkpoint is intact: train again in a new --workdir.")
+        way = (
+            f"To continue from step {earlier}, run the same command with --resume-step {earlier} "
+            f"(the later steps are then moved to {ckpt.set_aside_directory}, not deleted)."
+            if earlier
+            else "No earlier checkpoint is intact: train again in a new --workdir."
+        )
         raise CheckpointError(f"{e} {way}") from None
     if resume_step is not None:
         moved = distributed.on_main(lambda: ckpt.set_aside_after(step), "setting aside the later checkpoints")
         ckpt.reload()
         if moved:
-            print(f"warning: resuming from step {step}: checkpoint step(s) {moved} moved to {ckpt.set_aside_directory} (delete them when "
-                  "no longer needed)", file=sys.stderr)
+            print(
+                f"warning: resuming from step {step}: checkpoint step(s) {moved} moved to {ckpt.set_aside_directory} (delete them when no longer needed)",
+                file=sys.stderr,
+            )
     return state
 
 
@@ -264,16 +275,25 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
 
     trainer = build(cfg, mesh)
     data_iter = data_lib.train_iterator(
-        data_dir, parse_weights(cfg.data.weights), seq_len=cfg.seq_len, global_batch=cfg.global_batch, seed=cfg.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(), worker_count=cfg.data.worker_count,
+        data_dir,
+        parse_weights(cfg.data.weights),
+        seq_len=cfg.seq_len,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        worker_count=cfg.data.worker_count,
     )
     ckpt = Checkpointer(workdir, cfg.checkpoint)
     state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
     if source:
         state, notes = init_from.initial_state(state, source, mesh)
         if distributed.is_main():
-            print(f"initialised from {source.workdir} step {source.step} (parameters only: a fresh optimizer and data position)"
-                  + "".join(f"\n  changed: {c}" for c in source.changes) + "".join(f"\n  parameter {n}" for n in notes))
+            print(
+                f"initialised from {source.workdir} step {source.step} (parameters only: a fresh optimizer and data position)"
+                + "".join(f"\n  changed: {c}" for c in source.changes)
+                + "".join(f"\n  parameter {n}" for n in notes)
+            )
     writer = MetricsWriter(workdir, resume_step=start)
     schedule = lr_schedule(cfg.optim, cfg.steps)
     fault_step = int(os.environ.get(_FAULT_ENV, "0"))
@@ -288,8 +308,12 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     val_batches = validation_batches(cfg, data_dir)
 
     def validate(step, params):
-        scalars = {f"val/{name}": float(np.mean([jax.device_get(trainer.val_loss(params, jax.make_array_from_process_local_data(trainer.batch_sharding, b)))
-                                                  for b in batches])) for name, batches in val_batches.items()}
+        scalars = {
+            f"val/{name}": float(
+                np.mean([jax.device_get(trainer.val_loss(params, jax.make_array_from_process_local_data(trainer.batch_sharding, b))) for b in batches])
+            )
+            for name, batches in val_batches.items()
+        }
         writer.write(step, scalars)
 
     def flush(pending):
@@ -302,8 +326,13 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
                 f"loss {loss} / grad norm {grad_norm} at step {step}: the run is stopped. "
                 f"Last good checkpoint: {f'step {saved}' if saved else 'none'} in {ckpt.directory} (untouched)."
             )
-        scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(schedule(step - 1)), **{f"alpha/{k}": float(v) for k, v in m["alphas"].items()},
-                   **{k: float(m[k]) for k in ("ce", "align", "sparse_stream") if k in m}}
+        scalars = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": float(schedule(step - 1)),
+            **{f"alpha/{k}": float(v) for k, v in m["alphas"].items()},
+            **{k: float(m[k]) for k in ("ce", "align", "sparse_stream") if k in m},
+        }
         if rates:
             scalars["tokens_per_s"] = tokens_per_step / float(np.median(rates[-20:]))
         writer.write(step, scalars)

@@ -60,8 +60,10 @@ def _rows(path: Path) -> tuple[list[tuple[str, dict]], str | None]:
         elif i == len(lines) - 1:
             return rows, line
         else:
-            raise MetricsError(f"{path}, line {i + 1}, is not a metrics row ({line[:40]!r}...); move the file aside "
-                               "(it holds only logged metrics) and run the same command again")
+            raise MetricsError(
+                f"{path}, line {i + 1}, is not a metrics row ({line[:40]!r}...); move the file aside "
+                "(it holds only logged metrics) and run the same command again"
+            )
     return rows, None
 
 

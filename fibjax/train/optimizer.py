@@ -13,8 +13,7 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     final_lr_ratio * lr at ``total_steps`` (s counts steps from 1, so the first step learns)."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     inner = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.final_lr_ratio,
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.final_lr_ratio
     )
     return lambda count: inner(count + 1)
 

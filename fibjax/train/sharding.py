@@ -19,13 +19,7 @@ from fibjax.config import ConfigError, MeshConfig
 MESH_AXES = (*BATCH_AXES, HEAD_AXIS)  # ("data", "fsdp", "tensor"), shared with attention.sharded
 
 # logical axis -> mesh axis (None = replicated)
-RULES: dict[str, str | None] = {
-    "vocab": HEAD_AXIS,
-    "embed": "fsdp",
-    "heads": HEAD_AXIS,
-    "kv_heads": HEAD_AXIS,
-    "mlp": HEAD_AXIS,
-}
+RULES: dict[str, str | None] = {"vocab": HEAD_AXIS, "embed": "fsdp", "heads": HEAD_AXIS, "kv_heads": HEAD_AXIS, "mlp": HEAD_AXIS}
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
@@ -58,6 +52,7 @@ def _spec(logical_axes, shape, mesh: Mesh) -> PartitionSpec:
 
 def param_shardings(abstract_params: nnx.State, mesh: Mesh):
     """Pure dict of NamedSharding, one per parameter, from its logical axes."""
+
     def one(var):
         return NamedSharding(mesh, _spec(var.get_metadata().get("logical_axes"), var.shape, mesh))
 

@@ -74,9 +74,7 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
 
     abstract_opt_state = jax.eval_shape(tx.init, nnx.to_pure_dict(abstract_params))
     # moments follow their parameter's sharding; counters and the like are replicated
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt_state, param_shardings, transform_non_params=lambda _: sharding.replicated(mesh)
-    )
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abstract_opt_state, param_shardings, transform_non_params=lambda _: sharding.replicated(mesh))
     state_shardings = {"step": sharding.replicated(mesh), "params": param_shardings, "opt_state": opt_shardings, "rng": sharding.replicated(mesh)}
 
     def init_fn() -> State:

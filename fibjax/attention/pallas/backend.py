@@ -81,8 +81,7 @@ def call(kernel, *, backend: Backend, block_sizes: BlockSizes, grid, in_specs, o
     elif backend == "mosaic_tpu":
         params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
     return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=params, interpret=backend == "interpret", name=name,
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, compiler_params=params, interpret=backend == "interpret", name=name
     )
 
 

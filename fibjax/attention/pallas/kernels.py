@@ -183,8 +183,7 @@ def _call(kernel, rungs, operands, *, out_specs, out_shape, grid, block_sizes, b
     scalars = [be.scalar_spec(backend)] * 2 if rungs is not None else []
     in_specs = scalars + [spec for spec, _ in operands]
     args = (*(rungs or ()), *(x for _, x in operands))
-    return be.call(kernel, backend=backend, block_sizes=block_sizes, grid=grid, in_specs=in_specs,
-                   out_specs=out_specs, out_shape=out_shape, name=name)(*args)
+    return be.call(kernel, backend=backend, block_sizes=block_sizes, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, name=name)(*args)
 
 
 def _kernel_params(rungs, distances, pad, seq_len, d):
@@ -197,11 +196,15 @@ def forward(q, k, v, rungs, *, distances, seq_len, pad, block_sizes, backend):
     b, kh, g, t_rows, d = q.shape
     bq, t = block_sizes.block_q, t_rows - pad
     return _call(
-        functools.partial(_forward_kernel, **_kernel_params(rungs, distances, pad, seq_len, d)), rungs,
+        functools.partial(_forward_kernel, **_kernel_params(rungs, distances, pad, seq_len, d)),
+        rungs,
         [(_rows_of(g, bq, d), q), (_whole(k.shape[2], d), k), (_whole(k.shape[2], d), v)],
         out_specs=[_rows_of(g, bq, d), _rows_of(g, bq)],
         out_shape=[jax.ShapeDtypeStruct((b, kh, g, t, d), q.dtype), jax.ShapeDtypeStruct((b, kh, g, t), F32)],
-        grid=(b, kh, t // bq), block_sizes=block_sizes, backend=backend, name="offset_attention_fwd",
+        grid=(b, kh, t // bq),
+        block_sizes=block_sizes,
+        backend=backend,
+        name="offset_attention_fwd",
     )
 
 
@@ -219,15 +222,26 @@ def backward(q, k, v, do, lse, delta, rungs, *, distances, seq_len, pad, block_s
         out_specs.append(pl.BlockSpec((None, None, None, 1, lanes), lambda b, h, i: (b, h, i, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, kh, t // bq, 1, lanes), F32))
     dq_out = _call(
-        functools.partial(_dq_kernel, rung_lanes=lanes, **params), rungs,
+        functools.partial(_dq_kernel, rung_lanes=lanes, **params),
+        rungs,
         [(_rows_of(g, bq, d), q), (whole_kv, k), (whole_kv, v), (_rows_of(g, bq, d), do), (_rows_of(g, bq), lse), (_rows_of(g, bq), delta)],
-        out_specs=out_specs, out_shape=out_shape, grid=(b, kh, t // bq), block_sizes=block_sizes, backend=backend, name="offset_attention_dq",
+        out_specs=out_specs,
+        out_shape=out_shape,
+        grid=(b, kh, t // bq),
+        block_sizes=block_sizes,
+        backend=backend,
+        name="offset_attention_dq",
     )
     dk, dv = _call(
-        functools.partial(_dkdv_kernel, **params), rungs,
+        functools.partial(_dkdv_kernel, **params),
+        rungs,
         [(_whole(g, t_rows, d), q), (whole_kv, k), (whole_kv, v), (_whole(g, t_rows, d), do), (_whole(g, t_rows), lse), (_whole(g, t_rows), delta)],
-        out_specs=[_rows_of(bk, d, axis=0)] * 2, out_shape=[jax.ShapeDtypeStruct((b, kh, t, d), k.dtype)] * 2,
-        grid=(b, kh, t // bk), block_sizes=block_sizes, backend=backend, name="offset_attention_dkdv",
+        out_specs=[_rows_of(bk, d, axis=0)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((b, kh, t, d), k.dtype)] * 2,
+        grid=(b, kh, t // bk),
+        block_sizes=block_sizes,
+        backend=backend,
+        name="offset_attention_dkdv",
     )
     dfrac = None if rungs is None else jnp.sum(dq_out[1], axis=(0, 1, 2, 3))[: params["num_rungs"]]
     return dq_out[0], dk, dv, dfrac

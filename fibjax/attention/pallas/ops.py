@@ -100,9 +100,14 @@ def _attention_bwd(spec: _Spec, residuals, cotangents):
     # d lse / d s = p, so an lse cotangent enters exactly like -delta (FlashAttention's D term)
     delta_BTH = jnp.sum(do_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1) - dlse_BTH
     dq_BKGTD, dk_BKTD, dv_BKTD, dfrac_R = kernels.backward(
-        q_BKGTD, k_BKTD, v_BKTD, _queries_to_kernel(do_BTHD, kh, spec),
-        jnp.pad(lse_BKGT, ((0, 0),) * 3 + ((0, spec.pad),)), _rows_to_kernel(delta_BTH, kh, spec),
-        _kernel_rungs(rungs), **_kwargs(spec),
+        q_BKGTD,
+        k_BKTD,
+        v_BKTD,
+        _queries_to_kernel(do_BTHD, kh, spec),
+        jnp.pad(lse_BKGT, ((0, 0),) * 3 + ((0, spec.pad),)),
+        _rows_to_kernel(delta_BTH, kh, spec),
+        _kernel_rungs(rungs),
+        **_kwargs(spec),
     )
     dk_BTKD, dv_BTKD = (x[:, :, :t].transpose(0, 2, 1, 3) for x in (dk_BKTD, dv_BKTD))
     d_rungs = None if rungs is None else (None, dfrac_R.astype(rungs[1].dtype))  # lo: integer, no cotangent
@@ -118,8 +123,9 @@ def _spec(q: Array, distances, block_sizes: be.BlockSizes | None, backend: str |
 
 
 @functools.partial(jax.jit, static_argnames=("distances", "return_lse", "block_sizes", "backend"))
-def offset_attention_pallas(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False,
-                            block_sizes: be.BlockSizes | None = None, backend: str | None = None):
+def offset_attention_pallas(
+    q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False, block_sizes: be.BlockSizes | None = None, backend: str | None = None
+):
     """Static path: query i attends keys i - d for d in ``distances`` (sorted unique Python ints)."""
     usable = tuple(d for d in distances if d < q.shape[1])  # longer distances are never valid
     out, lse = _attention(_spec(q, usable, block_sizes, backend), q, k, v, None)
@@ -127,8 +133,9 @@ def offset_attention_pallas(q: Array, k: Array, v: Array, *, distances: Sequence
 
 
 @functools.partial(jax.jit, static_argnames=("window", "base", "return_lse", "block_sizes", "backend"))
-def interpolated_attention_pallas(q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False,
-                                  block_sizes: be.BlockSizes | None = None, backend: str | None = None):
+def interpolated_attention_pallas(
+    q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False, block_sizes: be.BlockSizes | None = None, backend: str | None = None
+):
     """Learned path: window {0..W} as static slots plus one runtime (lo, frac) slot per rung that
     alpha in [0.5, 1.5] can activate (``offset_xla.learned_rungs``: the same skip rules)."""
     t = q.shape[1]
