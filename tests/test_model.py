@@ -231,3 +231,25 @@ def test_scan_and_remat_settings_are_checked():
         ModelConfig(remat="some")
     assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"  # stored run configs say true/false
     assert ModelConfig(num_layers=4, scan_layers=True, attention=AttentionConfig(kind="offset", alpha="staggered", learn_alpha=True)).scan_layers
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rmsnorm_is_nnx_rmsnorm_in_float32_rounded_once(dtype):
+    """fibjax's norm is nnx.RMSNorm computing in float32: x / sqrt(mean(x^2) + eps) * scale, rounded
+    once to the input's dtype (bf16: bit-equal to that definition; fp32: 2 ulp), its parameter
+    tree {"scale": [D]} with the embed axis, as the checkpoints hold it."""
+    from fibjax.model import RMSNorm
+
+    norm = RMSNorm(128, 1e-6, jnp.float32, rngs=nnx.Rngs(0))
+    assert isinstance(norm, nnx.RMSNorm) and norm.scale.get_metadata()["logical_axes"] == ("embed",)
+    assert jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(norm))) == {"scale": (128,)}
+    norm.scale[...] = jax.random.normal(jax.random.key(1), (128,))
+    x = (jax.random.normal(jax.random.key(0), (4, 64, 128)) * 3).astype(dtype)
+    x32 = x.astype(jnp.float32)
+    want = (x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6) * norm.scale[...]).astype(dtype)
+    got = jax.jit(lambda x: norm(x))(x)
+    assert got.dtype == dtype
+    if dtype == jnp.bfloat16:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    else:
+        np.testing.assert_allclose(got, want, rtol=3e-7, atol=1e-6)
