@@ -345,7 +345,7 @@ def test_mixture_weights_are_respected(prepared):
     for weights, expected in [({"fineweb": 0.8, "wiki": 0.2}, 0.8), ({}, tokens["fineweb"] / sum(tokens.values())), ({"wiki": 1.0}, 0.0)]:
         rows = np.concatenate(take(train_iterator(prepared, weights, seq_len=24, global_batch=100, seed=11), 6))
         from_fineweb = np.mean([len(window_offsets(files["fineweb"], r)) > 0 for r in rows])
-        assert abs(from_fineweb - expected) < 0.06, (weights, from_fineweb, expected)  # 600 draws: sd <= 0.02
+        assert abs(from_fineweb - expected) < 0.01, (weights, from_fineweb, expected)  # Grain's mix interleaves exactly, not by draws
 
 
 @needs_shared

@@ -1,13 +1,19 @@
 """The Grain training input: seeded random windows of seq_len+1 tokens from a weighted mixture.
 
-Element ``s`` of the Grain dataset is global step ``s``. Row ``j`` of global step ``s`` is a
-pure function of ``(seed, s, j)``: a generator seeded with that triple picks the source (by
-the mixture weights) and a uniformly random start in that source's train tokens. So
+All of it is Grain's own map-style dataset (``grain.MapDataset``), so every element is a pure
+function of its index and nothing before it is ever produced:
 
-  - any step can be produced without producing the ones before (resume is one integer: Grain's
-    iterator state, saved by ``grain.checkpoint.CheckpointSave`` with the model);
-  - process ``p`` of ``P`` computes only rows ``[p*local, (p+1)*local)`` of each global batch,
-    ``local = global_batch // P``, and the processes' rows together are the 1-process batch.
+  - each training source is an endless ``range(...).random_map(...)``: element ``i`` is a
+    window at a uniformly random start in that source's train tokens, from Grain's per-element
+    generator (seeded with the run's seed and the source's position);
+  - ``MapDataset.mix`` interleaves the sources in the mixture's proportions (deterministically:
+    in every cycle each source appears its share of times);
+  - ``batch(local)`` groups rows, and ``[process_index::process_count]`` is Grain's per-process
+    sharding: global step ``s`` is elements ``[s*G, (s+1)*G)`` of the mixture, and process ``p``
+    of ``P`` takes rows ``[p*local, (p+1)*local)`` of it, ``local = G // P``, so the processes'
+    rows together are the 1-process batch;
+  - resume is one integer (Grain's iterator state, saved by ``grain.checkpoint.CheckpointSave``
+    with the model).
 
 Windows may cross document boundaries (EOS separates documents), as in GPT-style training.
 """
@@ -42,30 +48,22 @@ def mixture_weights(meta: dict, weights: dict[str, float]) -> dict[str, float]:
     return {name: weights[name] / total for name in sorted(weights)}
 
 
-class _WindowSampler:
-    """Maps a global step to this process's rows: ``[local, seq_len + 1]`` int32 windows."""
+class _RandomWindow:
+    """Grain ``random_map`` transform: (index, generator) -> an int32 window of ``window`` tokens
+    at a uniformly random start of one source's train tokens."""
 
-    def __init__(self, data_dir: Path, meta: dict, probs: dict[str, float], window: int, seed: int, rows: range):
-        self.files = [data_dir / meta["sources"][n]["train"]["file"] for n in probs]
-        self.lengths = [meta["sources"][n]["train"]["tokens"] for n in probs]
-        self.dtype = np.dtype(meta["dtype"])
-        self.cumulative = np.cumsum(list(probs.values()))
-        self.window, self.seed, self.rows = window, seed % 2**64, rows
-        self._tokens: list[np.memmap] | None = None
+    def __init__(self, file: Path, length: int, window: int, dtype: np.dtype):
+        self.file, self.length, self.window, self.dtype = file, length, window, dtype
+        self._tokens: np.memmap | None = None
 
-    def __getstate__(self):  # worker processes reopen the memmaps instead of receiving copies
+    def __getstate__(self):  # worker processes reopen the memmap instead of receiving a copy
         return self.__dict__ | {"_tokens": None}
 
-    def __call__(self, step: int):
+    def __call__(self, _index: int, rng: np.random.Generator) -> np.ndarray:
         if self._tokens is None:
-            self._tokens = [np.memmap(f, dtype=self.dtype, mode="r") for f in self.files]
-        out_BL = np.empty((len(self.rows), self.window), np.int32)
-        for i, row in enumerate(self.rows):
-            rng = np.random.default_rng((self.seed, int(step), row))
-            source = min(int(np.searchsorted(self.cumulative, rng.random(), side="right")), len(self.files) - 1)
-            start = int(rng.integers(0, self.lengths[source] - self.window + 1))
-            out_BL[i] = self._tokens[source][start : start + self.window]
-        return out_BL
+            self._tokens = np.memmap(self.file, dtype=self.dtype, mode="r")
+        start = int(rng.integers(0, self.length - self.window + 1))
+        return np.asarray(self._tokens[start : start + self.window], np.int32)
 
 
 def train_iterator(
@@ -102,7 +100,14 @@ def train_iterator(
             raise DataError(f"source {name!r} has {tokens} train tokens, fewer than seq_len + 1 = {window}; use a shorter seq_len or more data")
         check_token_ids(data_dir / meta["sources"][name]["train"]["file"], np.dtype(meta["dtype"]), meta["tokenizer"]["vocab_size"])
     local = global_batch // process_count
-    sampler = _WindowSampler(data_dir, meta, probs, window, seed, range(process_index * local, (process_index + 1) * local))
-    steps = grain.MapDataset.range(sys.maxsize).map(sampler)
+    sources = [
+        grain.MapDataset.range(sys.maxsize).random_map(
+            _RandomWindow(data_dir / meta["sources"][name]["train"]["file"], meta["sources"][name]["train"]["tokens"], window, np.dtype(meta["dtype"])),
+            seed=int(np.random.SeedSequence((seed % 2**64, k)).generate_state(1)[0]),
+        )
+        for k, name in enumerate(probs)
+    ]
+    mixture = grain.MapDataset.mix(sources, weights=list(probs.values())) if len(sources) > 1 else sources[0]
+    steps = mixture.batch(local, batch_fn=np.stack)[process_index::process_count]
     read = grain.ReadOptions(num_threads=worker_count, prefetch_buffer_size=2 * worker_count)
     return iter(steps.to_iter_dataset(read))
