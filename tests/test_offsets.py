@@ -12,8 +12,8 @@ from fibjax.attention import (
     base_rungs,
     bounded_base,
     coprime_stride,
-    learned_rung_bases,
-    learned_rung_spec,
+    rung_slots,
+    rung_taps,
 )
 
 
@@ -86,26 +86,26 @@ def test_schedules():
 
 def test_learned_rung_spec_skip_rules():
     # alpha = 1: rungs equal the static ones, frac = 0
-    spec = learned_rung_spec(window=12, base="fibonacci", alpha=1.0, seq_len=1024)
+    spec = rung_taps(window=12, base="fibonacci", alpha=1.0, seq_len=1024)
     assert [lo for _, lo, _ in spec] == [13, 21, 34, 55, 89, 144, 233, 377, 610, 987]
     assert all(frac == 0.0 for _, _, frac in spec)
     # lo > T-1 skipped
-    assert [lo for _, lo, _ in learned_rung_spec(window=12, base="fibonacci", alpha=1.0, seq_len=100)][-1] == 89
+    assert [lo for _, lo, _ in rung_taps(window=12, base="fibonacci", alpha=1.0, seq_len=100)][-1] == 89
     # round(t) > W but lo == W is a window distance: skipped (the reference's "lo in used")
-    assert learned_rung_spec(window=13, base=(10,), alpha=1.36, seq_len=100) == []  # t=13.6: lo=13 used
-    assert [lo for _, lo, _ in learned_rung_spec(window=13, base=(10,), alpha=1.46, seq_len=100)] == [14]
+    assert rung_taps(window=13, base=(10,), alpha=1.36, seq_len=100) == []  # t=13.6: lo=13 used
+    assert [lo for _, lo, _ in rung_taps(window=13, base=(10,), alpha=1.46, seq_len=100)] == [14]
     # first wins when two rungs share lo: t = 0.5*2=1.0 and 0.5*3=1.5 -> lo 1 twice (W=0; round(1.0)=1 > 0)
-    spec = learned_rung_spec(window=0, base=(2, 3), alpha=0.5, seq_len=100)
+    spec = rung_taps(window=0, base=(2, 3), alpha=0.5, seq_len=100)
     assert spec == [(2, 1, 0.0)]
 
 
 def test_learned_rung_bases_cover_every_alpha():
     for window in (0, 6, 12, 40):
         for t in (16, 100, 1024):
-            bases = set(learned_rung_bases(window=window, base="fibonacci", seq_len=t))
+            bases = set(rung_slots(window=window, base="fibonacci", seq_len=t))
             for i in range(101):
                 alpha = 0.5 + i / 100
-                spec = learned_rung_spec(window=window, base="fibonacci", alpha=alpha, seq_len=t)
+                spec = rung_taps(window=window, base="fibonacci", alpha=alpha, seq_len=t)
                 assert len(spec) <= len(bases)
                 used = {math.floor(alpha * f) for f in bases}
                 assert {lo for _, lo, _ in spec} <= used

@@ -20,8 +20,10 @@ from fibjax.attention.offsets import (
     base_rungs,
     bounded_base,
     coprime_stride,
-    learned_rung_bases,
+    learned_rung_bases,  # the earlier names of rung_slots and rung_taps
     learned_rung_spec,
+    rung_slots,
+    rung_taps,
 )
 
 # name -> the submodule that defines it (imported when first asked for)
@@ -60,5 +62,7 @@ __all__ = [
     "learned_rung_spec",
     "nsa_attention",
     "offset_attention",
+    "rung_slots",
+    "rung_taps",
     "select_blocks",
 ]

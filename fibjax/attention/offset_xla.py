@@ -123,15 +123,15 @@ def _slot_values(p_BTKG: Array, v_BTKD: Array) -> Array:
     return jnp.einsum("btkg,btkd->btkgd", p_BTKG, v_BTKD.astype(p_BTKG.dtype))
 
 
-class Rungs(NamedTuple):
-    """Traced learned-rung slots: shift lo [R] int32, frac [R], active [R] bool."""
+class RungTaps(NamedTuple):
+    """The taps of every rung slot at a traced alpha: shift lo [R] int32, frac [R], active [R] bool."""
 
     lo: Array
     frac: Array
     active: Array
 
 
-def learned_rungs(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> Rungs:
+def traced_rung_taps(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> RungTaps:
     """The reference's skip rules, vectorised over a fixed number of rung slots.
 
     A rung is active iff round(t) > W, lo > min(W, T-1) (not a window distance), lo <= T-1,
@@ -148,14 +148,23 @@ def learned_rungs(alpha, rungs: Sequence[int], *, window: int, seq_len: int) -> 
     n = len(rungs)
     earlier_RR = np.arange(n)[None, :] < np.arange(n)[:, None]
     dup_R = jnp.any(earlier_RR & candidate_R[None, :] & (lo_R[None, :] == lo_R[:, None]), axis=1)
-    return Rungs(jnp.clip(lo_R, 0, seq_len - 1), frac_R, candidate_R & ~dup_R)
+    return RungTaps(jnp.clip(lo_R, 0, seq_len - 1), frac_R, candidate_R & ~dup_R)
 
 
 # --- the shared program --------------------------------------------------------------------
 
 
 def _sparse_attention(
-    q, k, v, *, window: int | None, distances: Sequence[int], rungs: Rungs | None, seq_len: int, return_lse: bool, fixed_rungs: Sequence[tuple[int, float]] = ()
+    q,
+    k,
+    v,
+    *,
+    window: int | None,
+    distances: Sequence[int],
+    rungs: RungTaps | None,
+    seq_len: int,
+    return_lse: bool,
+    fixed_rungs: Sequence[tuple[int, float]] = (),
 ):
     """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs`` +
     ``fixed_rungs``: interpolated rungs (lo, frac) of a known alpha, whose keys and values are
@@ -223,19 +232,19 @@ def offset_attention_xla(q: Array, k: Array, v: Array, *, distances: Sequence[in
 def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False):
     """Learned path: band {0..W} plus one interpolated slot per rung that alpha in [0.5, 1.5] can activate."""
     t = q.shape[1]
-    bases = offsets.learned_rung_bases(window=window, base=base, seq_len=t)
-    rungs = learned_rungs(alpha, bases, window=window, seq_len=t) if bases else None
+    bases = offsets.rung_slots(window=window, base=base, seq_len=t)
+    rungs = traced_rung_taps(alpha, bases, window=window, seq_len=t) if bases else None
     return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse)
 
 
 def frozen_rungs(alpha: float, base, *, window: int, seq_len: int, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
-    """(lo, frac) of every active rung for a known alpha, computed by :func:`learned_rungs` itself
+    """(lo, frac) of every active rung for a known alpha, computed by :func:`traced_rung_taps` itself
     (in ``dtype``, the same skip rules) so the frozen path attends exactly what the traced one does."""
-    bases = offsets.learned_rung_bases(window=window, base=base, seq_len=seq_len)
+    bases = offsets.rung_slots(window=window, base=base, seq_len=seq_len)
     if not bases:
         return ()
     with jax.ensure_compile_time_eval():
-        lo_R, frac_R, active_R = jax.device_get(learned_rungs(jnp.asarray(alpha, dtype), bases, window=window, seq_len=seq_len))
+        lo_R, frac_R, active_R = jax.device_get(traced_rung_taps(jnp.asarray(alpha, dtype), bases, window=window, seq_len=seq_len))
     return tuple((int(lo), float(frac)) for lo, frac, on in zip(lo_R, frac_R, active_R) if on)
 
 

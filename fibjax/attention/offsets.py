@@ -8,7 +8,7 @@ reference code (see BUILD_NOTES.md, "Semantics"):
 * a static rung lands at ``round(alpha * f)`` (Python ``round``: half to even) and is kept
   only if ``W < d <= T - 1``;
 * the learned (interpolated) path keeps a fixed number of rung *slots* so that alpha can be
-  a traced value; :func:`learned_rung_bases` says which rungs can ever be active.
+  a traced value; :func:`rung_slots` says which rungs can ever be active.
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def attended_distances(*, window: int, base: Base, alpha: float, seq_len: int) -
     return tuple(sorted(out))
 
 
-def learned_rung_bases(*, window: int, base: Base, seq_len: int) -> tuple[int, ...]:
-    """Rungs of the learned path that some alpha in [0.5, 1.5] can make active at ``seq_len``.
+def rung_slots(*, window: int, base: Base, seq_len: int) -> tuple[int, ...]:
+    """The rung slots of the learned path at ``seq_len``: the base rungs f that some alpha in
+    [0.5, 1.5] can make active.
 
     The learned path gives each of these a slot and masks the inactive ones at run time; rungs
     outside this set can never be active (``round(1.5 f) <= W`` or ``floor(0.5 f) > T - 1``),
@@ -110,13 +111,15 @@ def learned_rung_bases(*, window: int, base: Base, seq_len: int) -> tuple[int, .
     return tuple(f for f in rungs if round(ALPHA_MAX * f) > window and math.floor(ALPHA_MIN * f) <= seq_len - 1)
 
 
-def learned_rung_spec(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tuple[int, int, float]]:
-    """Host-side (rung, lo, frac) of each active learned rung, in rung order: the reference's rule.
+def rung_taps(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tuple[int, int, float]]:
+    """The taps of an interpolated layer at ``alpha``, host-side: (rung f, lo, frac) of each
+    active rung, in rung order (it reads keys i - lo and i - lo - 1, weights 1 - frac and frac),
+    by the reference's rule.
 
     t = alpha*f, lo = floor(t), frac = t - lo; a rung is skipped if round(t) <= W, if lo > T-1,
     or if lo is already used (by the window {0..min(W, T-1)} or an earlier rung: first wins).
     The independent host-side statement of the rule; the traced
-    version is ``offset_xla.learned_rungs``. Note the window counts as "used": a rung with
+    version is ``offset_xla.traced_rung_taps``. Note the window counts as "used": a rung with
     round(t) > W but lo = W (t in [W+0.5, W+1)) is skipped, as in the reference code, though the
     static path at the same alpha would attend distance W+1 (BUILD_NOTES.md, "Semantics").
     """
@@ -130,6 +133,11 @@ def learned_rung_spec(*, window: int, base: Base, alpha: float, seq_len: int) ->
         used.add(lo)
         spec.append((f, lo, t - lo))
     return spec
+
+
+# The names before 2026-12-01 (kept for code that imports them).
+learned_rung_bases = rung_slots
+learned_rung_spec = rung_taps
 
 
 def alpha_to_theta(alpha: float, margin: float = 0.05) -> float:

@@ -80,9 +80,9 @@ def read_bytes(decoder: Decoder, cache) -> int:
     total = 0
     for plan, kv in zip(decoder.plans, cache):
         row = kv.k.shape[1] * kv.k.shape[3] * kv.k.dtype.itemsize * 2  # one position's K and V, all KV heads
-        if plan.kind == "full":
+        if plan.kind == "dense":
             total += plan.rows * row
-        elif plan.kind == "blocks":
+        elif plan.kind == "block_sparse":
             total += kv.ksum.nbytes + (plan.top + 1) * plan.block_size * row
         else:
             total += (len(plan.distances) + 2 * len(plan.slots)) * row

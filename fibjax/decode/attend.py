@@ -20,7 +20,7 @@ from flax import nnx
 
 from fibjax import attention as attn_lib
 from fibjax.attention.common import group_queries, masked_softmax, stats_dtype
-from fibjax.attention.offset_xla import learned_rungs
+from fibjax.attention.offset_xla import traced_rung_taps
 from fibjax.decode import cache as cache_lib
 from fibjax.decode.cache import KV, LayerPlan
 
@@ -31,14 +31,14 @@ def attend_prompt(plan: LayerPlan, attn, q_BPHE: Array, k_BPKE: Array, v_BPKE: A
     """The prompt's attention output with the library's paths, at the capacity's attended set."""
     acfg = attn.cfg.attention
     impl = acfg.implementation
-    if plan.kind == "full":
+    if plan.kind == "dense":
         return attn_lib.dense_attention(q_BPHE, k_BPKE, v_BPKE)
-    if plan.kind == "blocks":  # a query's choice depends only on earlier blocks: the prompt alone decides it
+    if plan.kind == "block_sparse":  # a query's choice depends only on earlier blocks: the prompt alone decides it
         return attn_lib.block_sparse_attention(q_BPHE, k_BPKE, v_BPKE, block_size=acfg.block_size, num_blocks=plan.top + 1)
-    if plan.kind == "static":
+    if plan.kind == "offset":
         return attn_lib.offset_attention(q_BPHE, k_BPKE, v_BPKE, distances=plan.distances, implementation=impl)
     # an explicit base (the rungs at L) keeps the rungs of pow2 those of the capacity
-    return attn_lib.interpolated_attention(q_BPHE, k_BPKE, v_BPKE, window=plan.window, base=plan.rungs, alpha=attn.alpha(), implementation=impl)
+    return attn_lib.interpolated_attention(q_BPHE, k_BPKE, v_BPKE, window=plan.window, base=plan.base_rungs, alpha=attn.alpha(), implementation=impl)
 
 
 def _scores(q_BKGE: Array, k_BKSE: Array) -> Array:
@@ -88,9 +88,9 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
     b, _, h, e = q_B1HE.shape
     q_BKGE = group_queries(q_B1HE, kv.k.shape[1])[:, 0]
     k_BK1E, v_BK1E = jnp.swapaxes(k_B1KE, 1, 2), jnp.swapaxes(v_B1KE, 1, 2)
-    if plan.kind == "full":  # row j holds position j
+    if plan.kind == "dense":  # row j holds position j
         keys, values, valid = [kv.k], [kv.v], [jnp.arange(kv.k.shape[2]) < pos]
-    elif plan.kind == "blocks":
+    elif plan.kind == "block_sparse":
         rows_BKS = _selected_rows(plan, q_B1HE, kv.ksum, pos)
         keys, values = [_take_rows(kv.k, rows_BKS)], [_take_rows(kv.v, rows_BKS)]
         valid = [((rows_BKS >= 0) & (rows_BKS < pos))[:, :, None, :]]
@@ -99,9 +99,9 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
         keys, values, valid = [_rows(kv.k, pos - d_S)], [_rows(kv.v, pos - d_S)], [pos >= d_S]
     keys, values, valid = [k_BK1E, *keys], [v_BK1E, *values], [np.ones(1, bool), *valid]
     scores = [_scores(q_BKGE, k) for k in keys]
-    learned = plan.kind == "learned" and bool(plan.slots)
+    learned = plan.kind == "interpolated" and bool(plan.slots)
     if learned:
-        lo_R, frac_R, active_R = learned_rungs(attn.alpha(), plan.slots, window=plan.window, seq_len=plan.max_len)
+        lo_R, frac_R, active_R = traced_rung_taps(attn.alpha(), plan.slots, window=plan.window, seq_len=plan.max_len)
         near_R, far_R = pos - lo_R, jnp.maximum(pos - lo_R - 1, 0)  # far neighbour clamped at position 0
         s_near, s_far = _scores(q_BKGE, _rows(kv.k, near_R)), _scores(q_BKGE, _rows(kv.k, far_R))
         scores.append(s_near + frac_R * (s_far - s_near))  # the score is linear in the key

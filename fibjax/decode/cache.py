@@ -35,7 +35,7 @@ import numpy as np
 
 from fibjax.attention import offsets
 from fibjax.attention.block_sparse import num_earlier_blocks
-from fibjax.attention.offset_xla import learned_rungs
+from fibjax.attention.offset_xla import traced_rung_taps
 
 Array = jax.Array
 
@@ -46,15 +46,15 @@ LEARNED_MARGIN_ROWS = 1
 class LayerPlan:
     """One layer's cache and attended set at capacity ``max_len`` (hashable: a static value)."""
 
-    kind: str  # "full" | "static" | "learned" | "blocks"
+    kind: str  # as the layer's attention: "dense" | "offset" | "interpolated" | "block_sparse"
     rows: int  # cache rows (the ring buffer's length)
     max_len: int
-    distances: tuple[int, ...] = ()  # static: the attended set; learned: the window {0..W}
-    rungs: tuple[int, ...] = ()  # learned: the base rungs at max_len, as an explicit base
-    slots: tuple[int, ...] = ()  # learned: the rungs some alpha can activate (fixed slots)
+    distances: tuple[int, ...] = ()  # offset: the attended set; interpolated: the window {0..W}
+    base_rungs: tuple[int, ...] = ()  # interpolated: the base rungs at max_len, as an explicit base
+    slots: tuple[int, ...] = ()  # interpolated: the rung slots (the rungs some alpha can activate)
     window: int = 0
-    block_size: int = 0  # blocks: keys per block
-    top: int = 0  # blocks: earlier blocks selected besides the own one (as the full forward at max_len)
+    block_size: int = 0  # block_sparse: keys per block
+    top: int = 0  # block_sparse: earlier blocks selected besides the own one (as the full forward at max_len)
 
 
 class KV(NamedTuple):
@@ -80,29 +80,29 @@ def plan_layers(model, max_len: int) -> tuple[LayerPlan, ...]:
 def _plan_layer(attn, max_len: int) -> LayerPlan:
     acfg = attn.cfg.attention
     if acfg.kind == "dense":
-        return LayerPlan("full", max_len, max_len)
+        return LayerPlan("dense", max_len, max_len)
     if acfg.kind == "block_sparse" and acfg.block_rank != "mean_key":
         raise NotImplementedError(
             f"decoding ranks blocks by mean_key only; this layer uses block_rank={acfg.block_rank!r} (fibjax/decode/attend.py, _selected_rows)"
         )
     if acfg.kind == "block_sparse":
-        return LayerPlan("blocks", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
+        return LayerPlan("block_sparse", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
     if acfg.kind != "offset":
         raise NotImplementedError(f"decoding a {acfg.kind!r} layer is not available (fibjax/decode/cache.py, _plan_layer)")
     if not acfg.is_interpolated:
         ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=attn.alpha(), seq_len=max_len)
         ds = tuple(d for d in ds if d < max_len)  # window distances past the capacity are never valid
-        return LayerPlan("static", max(ds) + 1, max_len, distances=ds)
+        return LayerPlan("offset", max(ds) + 1, max_len, distances=ds)
     window = tuple(range(min(acfg.window, max_len - 1) + 1))
     rungs = offsets.base_rungs(acfg.bounded_base, max_len)
-    slots = offsets.learned_rung_bases(window=acfg.window, base=rungs, seq_len=max_len)
+    slots = offsets.rung_slots(window=acfg.window, base=rungs, seq_len=max_len)
     reach = window[-1]
     if slots:
-        spec = jax.jit(lambda a: learned_rungs(a, slots, window=acfg.window, seq_len=max_len))(attn.alpha())
+        spec = jax.jit(lambda a: traced_rung_taps(a, slots, window=acfg.window, seq_len=max_len))(attn.alpha())
         active_lo = np.asarray(spec.lo)[np.asarray(spec.active)]
         if active_lo.size:
             reach = max(reach, int(active_lo.max()) + 1 + LEARNED_MARGIN_ROWS)
-    return LayerPlan("learned", min(reach + 1, max_len), max_len, distances=window, rungs=rungs, slots=slots, window=acfg.window)
+    return LayerPlan("interpolated", min(reach + 1, max_len), max_len, distances=window, base_rungs=rungs, slots=slots, window=acfg.window)
 
 
 def num_block_sums(plan: LayerPlan) -> int:
@@ -114,7 +114,7 @@ def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim
 
     def empty(p: LayerPlan) -> KV:
         k, v = (jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))
-        ksum = jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), jnp.float32) if p.kind == "blocks" else None
+        ksum = jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), jnp.float32) if p.kind == "block_sparse" else None
         return KV(k, v, ksum)
 
     return tuple(empty(p) for p in plans)
@@ -155,7 +155,7 @@ def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
     rows = np.arange(p - keep, p) % plan.rows
     k, v = (jnp.zeros((b, kh, plan.rows, e), x.dtype).at[:, :, rows].set(jnp.swapaxes(x[:, p - keep :], 1, 2)) for x in (k_BPKE, v_BPKE))
     ksum = None
-    if plan.kind == "blocks":
+    if plan.kind == "block_sparse":
         done = p // plan.block_size
         sums_BKNE = jnp.sum(jnp.swapaxes(k[:, :, : done * plan.block_size], 1, 2).reshape(b, done, plan.block_size, kh, e).astype(jnp.float32), axis=2)
         ksum = jnp.zeros((b, kh, num_block_sums(plan), e), jnp.float32).at[:, :, :done].set(jnp.swapaxes(sums_BKNE, 1, 2))

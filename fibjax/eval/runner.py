@@ -248,7 +248,7 @@ def reachable_distances(acfg: AttentionConfig, alpha: float | None, seq_len: int
         return set(range(seq_len))
     if not acfg.is_learned:
         return set(offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len))
-    spec = offsets.learned_rung_spec(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len)
+    spec = offsets.rung_taps(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len)
     far = {d for _, lo, _ in spec for d in (lo, lo + 1) if d <= seq_len - 1}
     return set(range(min(acfg.window, seq_len - 1) + 1)) | far
 

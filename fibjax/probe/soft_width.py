@@ -65,7 +65,7 @@ def soft_forward(model: Transformer, tokens_BT, width) -> jax.Array:
         raise ValueError("the soft-width relaxation applies to learned alpha only")
     b, t = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    rungs = offsets.learned_rung_bases(window=acfg.window, base=acfg.bounded_base, seq_len=t)
+    rungs = offsets.rung_slots(window=acfg.window, base=acfg.bounded_base, seq_len=t)
     x_BTD = model.lookup(tokens_BT)
     for block in model.blocks:
         attn = block.attn

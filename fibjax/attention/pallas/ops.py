@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from fibjax.attention import offsets
 from fibjax.attention.common import Array
-from fibjax.attention.offset_xla import learned_rungs
+from fibjax.attention.offset_xla import traced_rung_taps
 from fibjax.attention.pallas import backend as be
 from fibjax.attention.pallas import kernels
 
@@ -137,12 +137,12 @@ def interpolated_attention_pallas(
     q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False, block_sizes: be.BlockSizes | None = None, backend: str | None = None
 ):
     """Learned path: window {0..W} as static slots plus one runtime (lo, frac) slot per rung that
-    alpha in [0.5, 1.5] can activate (``offset_xla.learned_rungs``: the same skip rules)."""
+    alpha in [0.5, 1.5] can activate (``offset_xla.traced_rung_taps``: the same skip rules)."""
     t = q.shape[1]
-    bases = offsets.learned_rung_bases(window=window, base=base, seq_len=t)
+    bases = offsets.rung_slots(window=window, base=base, seq_len=t)
     rungs = None
     if bases:
-        lo, frac, active = learned_rungs(alpha, bases, window=window, seq_len=t)
+        lo, frac, active = traced_rung_taps(alpha, bases, window=window, seq_len=t)
         rungs = (jnp.where(active, lo, t), frac)  # lo = T: no query reaches an inactive rung
     out, lse = _attention(_spec(q, range(min(window, t - 1) + 1), block_sizes, backend), q, k, v, rungs)
     return (out, lse) if return_lse else out
