@@ -88,9 +88,9 @@ class RMSNorm(nnx.RMSNorm):
         return super().__call__(x_BTD).astype(x_BTD.dtype)
 
 
-def theta_to_alpha(theta: Array) -> Array:
-    """A learned layer's alpha, 0.5 + sigmoid(theta): always inside (0.5, 1.5)."""
-    return offsets.ALPHA_MIN + jax.nn.sigmoid(theta)
+def logit_to_alpha(logit: Array) -> Array:
+    """A learned layer's alpha from its parameter, 0.5 + sigmoid(logit): always inside (0.5, 1.5)."""
+    return offsets.ALPHA_MIN + jax.nn.sigmoid(logit)
 
 
 class BlockCompressor(nnx.Module):
@@ -129,7 +129,7 @@ class NSAParams(nnx.Module):
 
 
 class Alpha(nnx.Param):
-    """A layer's learned alpha, held as theta (alpha = 0.5 + sigmoid(theta)): the optimizer finds
+    """A layer's learned alpha, held as its logit (alpha = 0.5 + sigmoid(alpha_logit)): the optimizer finds
     these by type (``alpha_mask``), to move them at their own learning rate."""
 
 
@@ -156,18 +156,18 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Linear(h * e, d, kernel_init=_init(out_std, ("heads", "embed")), **lin)
         if cfg.attention.is_learned:
             alpha0 = cfg.attention.layer_alphas(cfg.num_layers)[layer]
-            self.theta = Alpha(jnp.asarray(offsets.alpha_to_theta(alpha0), jnp.float32), logical_axes=())
+            self.alpha_logit = Alpha(jnp.asarray(offsets.alpha_to_logit(alpha0), jnp.float32), logical_axes=())
         if cfg.attention.kind == "nsa" or cfg.attention.nsa_params:
             self.nsa = NSAParams(cfg, rngs=rngs)
 
     def alpha(self, acfg: AttentionConfig | None = None) -> Array | float | None:
-        """This layer's alpha under ``acfg`` (default: the model's): 0.5 + sigmoid(theta) when
+        """This layer's alpha under ``acfg`` (default: the model's): 0.5 + sigmoid(alpha_logit) when
         learned, the schedule's value for static offsets, None otherwise."""
         acfg = acfg or self.cfg.attention
         if acfg.kind != "offset":
             return None
         if acfg.is_learned:
-            return theta_to_alpha(self.theta[...])
+            return logit_to_alpha(self.alpha_logit[...])
         return acfg.layer_alphas(self.cfg.num_layers)[self.layer]
 
     def qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fibjax.attention import alpha_to_theta, attended_distances
+from fibjax.attention import alpha_to_logit, attended_distances
 from fibjax.config import AttentionConfig, CheckpointConfig, DataConfig, EvalConfig, ModelConfig, TrainConfig
 from fibjax.data import train_tokenizer
 from fibjax.decode import GREEDY, Decoder, Sampler, TextStreamer, plan_layers, top_k_mask, top_p_mask
@@ -45,7 +45,7 @@ def cached_and_full(model, tokens_BT, prompt_len: int):
 
 def with_alphas(model, alphas):
     for block, a in zip(model.blocks, alphas):
-        block.attn.theta[...] = jnp.asarray(alpha_to_theta(a), jnp.float32)
+        block.attn.alpha_logit[...] = jnp.asarray(alpha_to_logit(a), jnp.float32)
     return model
 
 

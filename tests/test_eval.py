@@ -95,7 +95,7 @@ def test_a_learned_run_evaluates_frozen_with_the_numbers_of_its_traced_alphas(ru
     stream = runner.dataset_streams(run, None)["python_docs"]
     traced = evaluate_lengths(cfg, params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
     frozen_params, frozen_cfg = runner.frozen_alphas(params, cfg, runner.layer_alphas(params, cfg))
-    assert frozen_cfg.attention.interpolate and not frozen_cfg.attention.is_learned and "theta" not in frozen_params["blocks"][0]["attn"]
+    assert frozen_cfg.attention.interpolate and not frozen_cfg.attention.is_learned and "alpha_logit" not in frozen_params["blocks"][0]["attn"]
     frozen = evaluate_lengths(frozen_cfg, frozen_params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
     for a, b in zip(traced, frozen):
         np.testing.assert_allclose(b.nll, a.nll, rtol=1e-5)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -223,6 +224,36 @@ def test_non_finite_arrays_in_a_checkpoint_without_checksums_are_refused(tmp_pat
     with pytest.raises(DamagedCheckpoint, match=r"NaN or infinite values, e.g. \['w'\]"):
         ckpt.restore(1, state)
     ckpt.close()
+
+
+def test_a_checkpoint_saved_with_earlier_parameter_names_restores(tmp_path):
+    """A learned layer's alpha parameter was saved as "theta" before 2026-12-01: such a checkpoint
+    restores, in full and params only, into today's names with its exact values (Adam's moments
+    included), and resumes save under the new name."""
+    import optax
+
+    from fibjax.train.checkpoint import rename_keys, saved_renames
+
+    params = {"blocks": {"0": {"attn": {"alpha_logit": jnp.float32(0.3), "q_proj": {"kernel": jnp.arange(4.0).reshape(2, 2)}}}}}
+    opt_state = optax.adam(1e-3).init(params)
+    opt_state = jax.tree.map(lambda x: x + 0.25 if x.dtype == jnp.float32 else x, opt_state)  # moments that are not zeros
+    state = {"params": params, "opt_state": opt_state}
+    ckpt = Checkpointer(tmp_path, CheckpointConfig(async_save=False))
+    ckpt.save(1, rename_keys(state, {"alpha_logit": "theta"}), wait=True)
+    ckpt.save(2, state, wait=True)
+    assert saved_renames(ckpt.directory / "1" / "state") == {"theta": "alpha_logit"} and saved_renames(ckpt.directory / "2" / "state") == {}
+    ckpt.close()
+    sharded = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for step in (1, 2):
+        ckpt = Checkpointer(tmp_path, CheckpointConfig())  # a later process (a resume, an evaluation)
+        restored = ckpt.restore(step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True))
+        ckpt.close()
+        ckpt = Checkpointer(tmp_path, CheckpointConfig())
+        only = ckpt.restore_params(step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded), params))
+        assert float(only["blocks"]["0"]["attn"]["alpha_logit"]) == np.float32(0.3)
+        ckpt.close()
 
 
 def test_token_ids_out_of_range_are_refused_before_the_workdir_is_claimed(tmp_path, data_dir, capsys):  # noqa: F811

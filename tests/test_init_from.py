@@ -85,7 +85,7 @@ def test_learned_alpha_starts_from_its_schedule(tmp_path, source_run, data_dir, 
         "model.attention.alpha=learned",
     )
     assert rc == 0, out
-    assert "theta (new: initial value)" in out
+    assert "alpha_logit (new: initial value)" in out
 
 
 @pytest.mark.parametrize("override, fragment", [("model.d_model=48", "model.d_model: 32 in"), ("model.num_layers=3", "model.num_layers: 2 in")])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fibjax.attention import alpha_to_theta, attended_distances
+from fibjax.attention import alpha_to_logit, attended_distances
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig
 from fibjax.model import Transformer, count_params, rope, rope_frequencies
 from tests import oracle
@@ -59,17 +59,17 @@ def test_forward_at_4096_tokens():
     assert logits.shape == (1, 4096, 256) and np.all(np.isfinite(np.asarray(logits)))
 
 
-def test_layers_get_their_schedule_and_learned_layers_own_theta():
+def test_layers_get_their_schedule_and_learned_layers_own_alpha_logit():
     model = Transformer(tiny(kind="offset", alpha="staggered", window=4), rngs=nnx.Rngs(0))
     assert model.alphas() == [0.5, 1.0, 1.5]
-    assert not any("theta" in str(p) for p in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0])
+    assert not any("alpha_logit" in str(p) for p in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0])
     learned = Transformer(tiny(kind="offset", alpha="staggered", learn_alpha=True, window=4), rngs=nnx.Rngs(0))
     np.testing.assert_allclose([float(a) for a in learned.alphas()], [0.55, 1.0, 1.45], rtol=1e-6)
-    thetas = [b.attn.theta for b in learned.blocks]
+    thetas = [b.attn.alpha_logit for b in learned.blocks]
     assert all(isinstance(t, nnx.Param) and t[...].shape == () for t in thetas)
 
 
-def test_learned_model_gets_gradient_to_theta_at_alpha_one():
+def test_learned_model_gets_gradient_to_alpha_logit_at_alpha_one():
     model = Transformer(tiny(kind="offset", alpha="learned", window=2), rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 64), 0, 97)
 
@@ -78,7 +78,7 @@ def test_learned_model_gets_gradient_to_theta_at_alpha_one():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
     grads = nnx.grad(loss)(model)
-    assert all(abs(float(grads["blocks"][i]["attn"]["theta"][...])) > 0 for i in range(3))
+    assert all(abs(float(grads["blocks"][i]["attn"]["alpha_logit"][...])) > 0 for i in range(3))
 
 
 def test_static_layer_uses_the_attended_set_at_run_length():
@@ -137,7 +137,7 @@ def test_learned_layer_keeps_its_rung_bound():
         vocab_size=97, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, attention=AttentionConfig(kind="offset", alpha="learned", window=3, max_rung=55)
     )
     attn = Transformer(cfg, rngs=nnx.Rngs(0)).blocks[0].attn
-    attn.theta[...] = jnp.asarray(alpha_to_theta(1.21), jnp.float32)
+    attn.alpha_logit[...] = jnp.asarray(alpha_to_logit(1.21), jnp.float32)
     q, k, v = attn.qkv(jax.random.normal(jax.random.PRNGKey(3), (1, 120, 32)), jnp.arange(120)[None])
     ref, _ = oracle.learned_attention(q, k, v, window=3, base="fibonacci", alpha=float(attn.alpha()), max_rung=55)
     np.testing.assert_allclose(attn.attend(q, k, v), ref, **oracle.TOL[jnp.float32])

@@ -7,7 +7,7 @@ import pytest
 from fibjax.attention import (
     FIBONACCI_RUNGS,
     alpha_schedule,
-    alpha_to_theta,
+    alpha_to_logit,
     attended_distances,
     base_rungs,
     bounded_base,
@@ -111,12 +111,12 @@ def test_learned_rung_bases_cover_every_alpha():
                 assert {lo for _, lo, _ in spec} <= used
 
 
-def test_alpha_to_theta():
-    assert alpha_to_theta(1.0) == 0.0
+def test_alpha_to_logit():
+    assert alpha_to_logit(1.0) == 0.0
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    assert math.isclose(0.5 + sig(alpha_to_theta(0.8)), 0.8)
-    assert math.isclose(0.5 + sig(alpha_to_theta(0.5)), 0.55)
-    assert math.isclose(0.5 + sig(alpha_to_theta(1.5)), 1.45)
+    assert math.isclose(0.5 + sig(alpha_to_logit(0.8)), 0.8)
+    assert math.isclose(0.5 + sig(alpha_to_logit(0.5)), 0.55)
+    assert math.isclose(0.5 + sig(alpha_to_logit(1.5)), 1.45)
 
 
 def test_bounded_base_keeps_the_papers_ratio_at_a_shorter_length():

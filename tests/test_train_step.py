@@ -60,19 +60,19 @@ def test_mesh_shape_fill_and_errors():
 
 
 def test_optimizer_masks_and_alpha_multiplier():
-    params = {"blocks": {0: {"attn": {"theta": jnp.zeros(()), "q_proj": {"kernel": jnp.zeros((4, 4))}}, "attn_norm": {"scale": jnp.ones(4)}}}}
+    params = {"blocks": {0: {"attn": {"alpha_logit": jnp.zeros(()), "q_proj": {"kernel": jnp.zeros((4, 4))}}, "attn_norm": {"scale": jnp.ones(4)}}}}
     assert decay_mask(params)["blocks"][0]["attn"]["q_proj"]["kernel"]
-    assert not decay_mask(params)["blocks"][0]["attn"]["theta"] and not decay_mask(params)["blocks"][0]["attn_norm"]["scale"]
+    assert not decay_mask(params)["blocks"][0]["attn"]["alpha_logit"] and not decay_mask(params)["blocks"][0]["attn_norm"]["scale"]
     # alphas are found by type (model.Alpha), not by name
     learned = Transformer(tiny_cfg().model, rngs=nnx.Rngs(0))
     mask = alpha_mask(learned)
-    assert mask["blocks"][0]["attn"]["theta"] and not mask["blocks"][0]["attn"]["q_proj"]["kernel"]
+    assert mask["blocks"][0]["attn"]["alpha_logit"] and not mask["blocks"][0]["attn"]["q_proj"]["kernel"]
     assert sum(jax.tree.leaves(mask)) == tiny_cfg().model.num_layers
     frozen = dataclasses.replace(tiny_cfg(mesh=MeshConfig(data=1)), optim=OptimConfig(lr=1e-2, warmup_steps=2, alpha_lr_multiplier=0.0))
     _, state = run_steps(frozen, jax.devices()[:1], n=2)
-    assert float(state["params"]["blocks"][0]["attn"]["theta"]) == 0.0
+    assert float(state["params"]["blocks"][0]["attn"]["alpha_logit"]) == 0.0
     _, state = run_steps(tiny_cfg(mesh=MeshConfig(data=1)), jax.devices()[:1], n=2)
-    assert float(state["params"]["blocks"][0]["attn"]["theta"]) != 0.0
+    assert float(state["params"]["blocks"][0]["attn"]["alpha_logit"]) != 0.0
 
 
 def test_schedule_matches_the_reference():

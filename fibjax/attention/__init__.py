@@ -15,7 +15,8 @@ import importlib
 from fibjax.attention.offsets import (
     FIBONACCI_RUNGS,
     alpha_schedule,
-    alpha_to_theta,
+    alpha_to_logit,
+    alpha_to_theta,  # the earlier name of alpha_to_logit
     attended_distances,
     base_rungs,
     bounded_base,
@@ -48,6 +49,7 @@ def __getattr__(name: str):
 __all__ = [
     "FIBONACCI_RUNGS",
     "alpha_schedule",
+    "alpha_to_logit",
     "alpha_to_theta",
     "attended_distances",
     "base_rungs",

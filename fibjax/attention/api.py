@@ -68,7 +68,7 @@ def interpolated_attention(
 
     ``alpha`` may be a traced scalar (it is differentiable, and changing it never recompiles:
     the rung slots are fixed and masked). It must lie in [0.5, 1.5], the range a learned layer
-    reaches by construction (0.5 + sigmoid(theta)); a concrete value outside raises. A Python
+    reaches by construction (0.5 + sigmoid(logit)); a concrete value outside raises. A Python
     float is a *frozen* alpha (inference after training): on the XLA path the same rungs and
     weights are compiled as constants with static shifts, as cheap as the static path; each new
     float compiles again, so pass an array to vary it.

@@ -135,16 +135,20 @@ def rung_taps(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tu
     return spec
 
 
-# The names before 2026-12-01 (kept for code that imports them).
+# The earlier names (kept for code that imports them).
 learned_rung_bases = rung_slots
 learned_rung_spec = rung_taps
 
 
-def alpha_to_theta(alpha: float, margin: float = 0.05) -> float:
-    """theta with 0.5 + sigmoid(theta) = alpha, alpha first pulled into [0.5+margin, 1.5-margin].
+def alpha_to_logit(alpha: float, margin: float = 0.05) -> float:
+    """A learned layer's parameter: the logit with 0.5 + sigmoid(logit) = alpha, alpha first
+    pulled into [0.5 + margin, 1.5 - margin].
 
     sigmoid never reaches 0 or 1, so a learned layer cannot start exactly at 0.5 or 1.5; the
     pull (default 0.05) matches the 0.55-1.45 span the paper reports for staggered-init runs.
     """
     a = min(max(alpha, ALPHA_MIN + margin), ALPHA_MAX - margin) - ALPHA_MIN
     return math.log(a / (1.0 - a))
+
+
+alpha_to_theta = alpha_to_logit  # the earlier name (the parameter was called theta)

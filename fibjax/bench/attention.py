@@ -2,7 +2,7 @@
 
 Paths are registered in ``PATHS`` (name -> builder); each builder gets the case and returns
 ``f(q, k, v, alpha) -> out``. alpha is an argument of the timed program, as it is in training
-(traced from theta): a closed-over constant would let XLA fold the learned path's rung shifts
+(traced from its logit): a closed-over constant would let XLA fold the learned path's rung shifts
 into static ones. fwd+bwd differentiates q, k, v and alpha. Ratios are computed from timings
 taken in the same process.
 

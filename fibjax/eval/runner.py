@@ -26,7 +26,7 @@ from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
-from fibjax.model import theta_to_alpha
+from fibjax.model import logit_to_alpha
 from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, load_run_config, pinned_tokenizer
 from fibjax.train.loop import resolve_data_dir
 
@@ -94,17 +94,17 @@ def run_tokenizer(run: LoadedRun) -> Tokenizer:
 def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
     """(params, model config) for evaluating the run's weights under another attention.
 
-    Weights carry over unchanged; a learned layer's theta is dropped when the override has
+    Weights carry over unchanged; a learned layer's alpha_logit is dropped when the override has
     none, and created from the override's schedule when the override learns alpha."""
-    from fibjax.attention.offsets import alpha_to_theta
+    from fibjax.attention.offsets import alpha_to_logit
 
     model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
     alphas = attention.layer_alphas(model_cfg.num_layers) if attention.kind == "offset" else None
     blocks = {}
     for i, block in run.params["blocks"].items():
-        attn = {k: v for k, v in block["attn"].items() if k != "theta"}
+        attn = {k: v for k, v in block["attn"].items() if k != "alpha_logit"}
         if attention.is_learned:
-            attn["theta"] = block["attn"].get("theta", np.float32(alpha_to_theta(alphas[i])))
+            attn["alpha_logit"] = block["attn"].get("alpha_logit", np.float32(alpha_to_logit(alphas[i])))
         blocks[i] = {**block, "attn": attn}
     return {**run.params, "blocks": blocks}, model_cfg
 
@@ -181,7 +181,7 @@ def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[
     if not model_cfg.attention.is_learned:
         return params, model_cfg
     frozen = dataclasses.replace(model_cfg.attention, alpha=tuple(alphas), learn_alpha=False, interpolate=True)
-    blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != "theta"}} for i, b in params["blocks"].items()}
+    blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != "alpha_logit"}} for i, b in params["blocks"].items()}
     return {**params, "blocks": blocks}, dataclasses.replace(model_cfg, attention=frozen)
 
 
@@ -261,13 +261,13 @@ def new_distances(acfg: AttentionConfig, alphas: list[float | None], train_len: 
 
 def initial_alphas(model_cfg) -> list[float] | None:
     """A learned run's starting alphas as the model really started them (pulled into
-    [0.55, 1.45] by alpha_to_theta); None for a run without learned alpha."""
-    from fibjax.attention.offsets import alpha_to_theta
+    [0.55, 1.45] by alpha_to_logit); None for a run without learned alpha."""
+    from fibjax.attention.offsets import alpha_to_logit
 
     acfg = model_cfg.attention
     if not acfg.is_learned:
         return None
-    return [float(theta_to_alpha(alpha_to_theta(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
+    return [float(logit_to_alpha(alpha_to_logit(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
 
 
 def layer_alphas(params: dict, model_cfg) -> list[float | None]:
@@ -276,7 +276,7 @@ def layer_alphas(params: dict, model_cfg) -> list[float | None]:
         return [None] * model_cfg.num_layers
     if not acfg.is_learned:
         return list(acfg.layer_alphas(model_cfg.num_layers))
-    return [float(theta_to_alpha(params["blocks"][i]["attn"]["theta"])) for i in range(model_cfg.num_layers)]
+    return [float(logit_to_alpha(params["blocks"][i]["attn"]["alpha_logit"])) for i in range(model_cfg.num_layers)]
 
 
 ROPE_KEYS = {"theta": "rope_theta", "scaling": "rope_scaling", "factor": "rope_factor", "original_len": "rope_original_len"}

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from fibjax.model import theta_to_alpha
+from fibjax.model import logit_to_alpha
 from fibjax.probe import geometry, soft_width
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, forced_choice_correct, marked_batch, marked_correct, max_retrieval_distance, retrieval_batch
 from fibjax.train import sharding, step
@@ -141,12 +141,12 @@ class CellSpec:
 
 
 def layer_alphas(params, attention: AttentionConfig, depth: int) -> list[float]:
-    """Every layer's alpha (learned: 0.5 + sigmoid(theta); static offsets: the schedule); [] for dense."""
+    """Every layer's alpha (learned: 0.5 + sigmoid(alpha_logit); static offsets: the schedule); [] for dense."""
     if attention.kind != "offset":
         return []
     if not attention.is_learned:
         return list(attention.layer_alphas(depth))
-    return [float(theta_to_alpha(params["blocks"][i]["attn"]["theta"])) for i in range(depth)]
+    return [float(logit_to_alpha(params["blocks"][i]["attn"]["alpha_logit"])) for i in range(depth)]
 
 
 def _geometry(spec: CellSpec, alphas: list[float]) -> dict:

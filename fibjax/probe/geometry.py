@@ -95,6 +95,6 @@ def distance_table(band: Band, attention: AttentionConfig, num_layers: int, seq_
 
 
 def theta_distance(alpha_from: float, alpha_to: float) -> float:
-    """|theta_to - theta_from| with alpha = 0.5 + sigmoid(theta): how far the parameter must move."""
+    """|logit_to - logit_from| with alpha = 0.5 + sigmoid(logit): how far the alpha parameter must move."""
     logit = lambda a: math.log((a - 0.5) / (1.5 - a))
     return abs(logit(alpha_to) - logit(alpha_from))

@@ -51,6 +51,35 @@ RESUMABLE_CHANGES = (
 )
 
 
+# Keys renamed since a checkpoint may have been saved: saved name -> present name, wherever the
+# key occurs in the state tree (the parameters and the optimizer's per-parameter moments alike).
+# Restoring reads a checkpoint's own names and renames them, so earlier runs keep resuming.
+RENAMED_KEYS = {"theta": "alpha_logit"}  # 2026-12-01: a learned layer's alpha parameter
+
+
+def rename_keys(tree, mapping: dict[str, str]):
+    """``tree`` with every dict key found in ``mapping`` renamed, at any depth (dicts, lists,
+    tuples and NamedTuples such as optax's states are walked; everything else is a leaf)."""
+    if isinstance(tree, dict):
+        return {mapping.get(k, k) if isinstance(k, str) else k: rename_keys(v, mapping) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(rename_keys(v, mapping) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(rename_keys(v, mapping) for v in tree)
+    return tree
+
+
+def saved_renames(state_dir: Path) -> dict[str, str]:
+    """The entries of RENAMED_KEYS whose old name the checkpoint at ``state_dir`` still uses
+    (read from Orbax's metadata of the saved tree; {} when it cannot be read)."""
+    try:
+        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata
+    except Exception:  # a damaged or foreign checkpoint: the restore itself reports it
+        return {}
+    keys = {getattr(k, "key", None) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] for k in path}
+    return {old: new for old, new in RENAMED_KEYS.items() if old in keys}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint or workdir cannot be used; the message says why and what to do."""
 
@@ -317,7 +346,9 @@ class Checkpointer:
         Raises DamagedCheckpoint when its files changed since the save, cannot be read, or
         hold non-finite numbers; nothing is deleted."""
         self._check_files(step)
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        renames = saved_renames(self.directory / str(step) / "state")
+        target = rename_keys(abstract_state, {new: old for old, new in renames.items()})  # asked for by the saved names
+        items = {"state": ocp.args.StandardRestore(target)}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         try:
@@ -325,13 +356,14 @@ class Checkpointer:
         except Exception as e:  # Orbax raises many types, for damaged files and for mismatched trees alike
             raise self._unreadable(step, e) from None
         self._check_finite(step, restored["state"])
-        return restored["state"]
+        return rename_keys(restored["state"], renames)
 
     def restore_params(self, step: int, abstract_params):
         """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
         a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
         self._check_files(step)
-        target = {"params": abstract_params}
+        renames = saved_renames(self.directory / str(step) / "state")
+        target = {"params": rename_keys(abstract_params, {new: old for old, new in renames.items()})}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         try:
             restored = self.manager.restore(
@@ -340,7 +372,7 @@ class Checkpointer:
         except Exception as e:  # as in restore(): damaged files or another model
             raise self._unreadable(step, e) from None
         self._check_finite(step, restored["state"]["params"])
-        return restored["state"]["params"]
+        return rename_keys(restored["state"]["params"], renames)
 
     def _check_files(self, step: int) -> None:
         if step not in self.all_steps():

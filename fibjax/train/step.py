@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from fibjax.config import TrainConfig
-from fibjax.model import SSAStreams, Transformer, alpha_mask, theta_to_alpha
+from fibjax.model import SSAStreams, Transformer, alpha_mask, logit_to_alpha
 from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
@@ -118,5 +118,5 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
 
 
 def learned_alphas(params) -> dict[str, jax.Array]:
-    """{"layer_3": alpha} for every learned layer (alpha = 0.5 + sigmoid(theta))."""
-    return {f"layer_{i}": theta_to_alpha(block["attn"]["theta"]) for i, block in params["blocks"].items() if "theta" in block["attn"]}
+    """{"layer_3": alpha} for every learned layer (alpha = 0.5 + sigmoid(alpha_logit))."""
+    return {f"layer_{i}": logit_to_alpha(block["attn"]["alpha_logit"]) for i, block in params["blocks"].items() if "alpha_logit" in block["attn"]}
