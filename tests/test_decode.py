@@ -302,6 +302,43 @@ def test_block_sparse_cached_logits_equal_the_full_forward(block_size, num_block
     assert cache[0].ksum.shape == (2, cfg.num_kv_heads, -(-capacity // block_size), cfg.resolved_head_dim)
 
 
+def _randomise_nsa(model, key):
+    """Gates and compressions away from their initial values (gates 1/2, compression = mean), so
+    every learned part of NSA shows in the logits."""
+    for block in model.blocks:
+        nsa = block.attn.nsa
+        for var in (nsa.gate.kernel, nsa.k_compress.pos, nsa.k_compress.w_out, nsa.v_compress.pos, nsa.v_compress.w_out):
+            key, sub = jax.random.split(key)
+            var[...] = 0.5 * jax.random.normal(sub, var[...].shape, var[...].dtype)
+    return model
+
+
+@pytest.mark.parametrize(
+    "attention, capacity, prompt",
+    [
+        (dict(kind="nsa", block_size=8, num_blocks=3, window=3), 72, 20),
+        (dict(kind="nsa", block_size=4, num_blocks=2, window=0), 40, 3),  # a prompt shorter than a block; window = the own key
+        (dict(kind="nsa", block_size=8, num_blocks=100, window=5), 40, 8),  # every earlier block selected
+        (dict(kind="block_sparse", block_size=8, num_blocks=3, block_rank="nsa_prob"), 72, 20),
+    ],
+)
+def test_nsa_cached_logits_equal_the_full_forward(attention, capacity, prompt):
+    """NSA layers decode from a full cache plus each completed block's compressed key and value
+    (compressed in the step that completes the block), and MoBA layers rank by NSA's rule too:
+    the cached logits equal a full forward under the same attention (fp32, 1e-4)."""
+    cfg = tiny(2, **attention)
+    model = Transformer(cfg, rngs=nnx.Rngs(3))
+    if attention["kind"] == "nsa":
+        _randomise_nsa(model, jax.random.PRNGKey(5))
+    tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
+    cached, full, decoder = cached_and_full(model, tokens, prompt)
+    np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
+    assert decoder.plans[0].kind == attention["kind"] and decoder.traces["step"] == 1
+    if attention["kind"] == "nsa":
+        cache = decoder.init_cache(2)
+        assert cache[0].kcmp.shape == cache[0].vcmp.shape == (2, cfg.num_kv_heads, -(-capacity // attention["block_size"]), cfg.resolved_head_dim)
+
+
 def test_decoder_checks_its_capacity():
     decoder = Decoder(Transformer(tiny(1, kind="dense"), rngs=nnx.Rngs(0)), max_len=8)
     with pytest.raises(ValueError, match="exceeds"):

@@ -287,7 +287,7 @@ def test_ssa_with_an_nsa_stream_needs_its_parameters_and_budgets_apply_to_nsa():
     assert inference_overrides(cfg, "sparse", num_blocks=2) == ["kind=nsa", "num_blocks=2"]
     with pytest.raises(ConfigError, match="compression parameters"):
         inference_overrides(cfg, "sparse", block_size=8)
-    # decoding ranks blocks by mean key only: another rule is refused, never decoded silently
+    # decoding plans NSA's rule for NSA layers and keeps a MoBA layer's own rule (tests/test_decode.py decodes both)
     moba = Transformer(_tiny("block_sparse", block_rank="nsa_prob"), rngs=nnx.Rngs(0))
-    with pytest.raises(NotImplementedError, match="block_rank='nsa_prob'"):
-        _plan_layer(moba.blocks[0].attn, 64)
+    nsa = Transformer(_tiny("nsa"), rngs=nnx.Rngs(0))
+    assert _plan_layer(moba.blocks[0].attn, 64).rank == "nsa_prob" and _plan_layer(nsa.blocks[0].attn, 64).rank == "nsa_prob"

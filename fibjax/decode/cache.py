@@ -10,12 +10,15 @@ rungs are the powers of two <= L-1) changes with the capacity.
 
 Per layer (``LayerPlan``):
 
-* ``full``: dense attention: one row per position, L rows;
-* ``blocks``: block-sparse attention (MoBA / SSA's sparse stream): one row per position, and the
-  key sum of every completed block, written once when its last position is (``ksum``), so a
+* ``dense``: one row per position, L rows;
+* ``block_sparse``: block-sparse attention (MoBA / SSA's sparse stream): one row per position, and
+  the key sum of every completed block, written once when its last position is (``ksum``), so a
   step scores L / block_size block sums and reads only the selected blocks' rows;
-* ``static``: a ring buffer of max(distances) + 1 rows; position p lives in row p mod rows;
-* ``learned``: window {0..W} plus interpolated rung slots whose lo is computed from the layer's
+* ``nsa``: one row per position, and the compressed key and value of every completed block
+  (``kcmp``, ``vcmp``: the layer's learned compression of that block, computed once, in the step
+  that completes it), which the compressed branch attends and the selection ranks;
+* ``offset``: a ring buffer of max(distances) + 1 rows; position p lives in row p mod rows;
+* ``interpolated``: window {0..W} plus interpolated rung slots whose lo is computed from the layer's
   current alpha inside the step (as the full forward does); the buffer holds the largest
   reachable distance lo_max + 1 (the far neighbour) of that alpha, plus one row of margin
   against a one-ulp difference in alpha between the host plan and the jitted step.
@@ -53,18 +56,22 @@ class LayerPlan:
     base_rungs: tuple[int, ...] = ()  # interpolated: the base rungs at max_len, as an explicit base
     slots: tuple[int, ...] = ()  # interpolated: the rung slots (the rungs some alpha can activate)
     window: int = 0
-    block_size: int = 0  # block_sparse: keys per block
-    top: int = 0  # block_sparse: earlier blocks selected besides the own one (as the full forward at max_len)
+    block_size: int = 0  # block_sparse, nsa: keys per block
+    top: int = 0  # block_sparse, nsa: earlier blocks selected besides the own one (as the full forward at max_len)
+    rank: str = "mean_key"  # block_sparse: the block_rank rule; nsa: nsa_prob over the compressed keys
 
 
 class KV(NamedTuple):
     """One layer's cache: k, v [B, K, M, E] (heads before rows: the layout the single-query
     matmuls read without a transposed copy of the cache); position p is row p % M. Block-sparse
-    layers also keep ksum [B, K, N, E] float32, the key sum of each completed block."""
+    layers also keep ksum [B, K, N, E] float32, the key sum of each completed block; NSA layers
+    kcmp, vcmp [B, K, N, E], each completed block's compressed key and value."""
 
     k: Array
     v: Array
     ksum: Array | None = None
+    kcmp: Array | None = None
+    vcmp: Array | None = None
 
 
 Cache = tuple[KV, ...]
@@ -81,12 +88,10 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     acfg = attn.cfg.attention
     if acfg.kind == "dense":
         return LayerPlan("dense", max_len, max_len)
-    if acfg.kind == "block_sparse" and acfg.block_rank != "mean_key":
-        raise NotImplementedError(
-            f"decoding ranks blocks by mean_key only; this layer uses block_rank={acfg.block_rank!r} (fibjax/decode/attend.py, _selected_rows)"
-        )
-    if acfg.kind == "block_sparse":
-        return LayerPlan("block_sparse", max_len, max_len, block_size=acfg.block_size, top=num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks))
+    if acfg.kind in ("block_sparse", "nsa"):
+        top = num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks)
+        rank = "nsa_prob" if acfg.kind == "nsa" else acfg.block_rank
+        return LayerPlan(acfg.kind, max_len, max_len, block_size=acfg.block_size, top=top, window=acfg.window, rank=rank)
     if acfg.kind != "offset":
         raise NotImplementedError(f"decoding a {acfg.kind!r} layer is not available (fibjax/decode/cache.py, _plan_layer)")
     if not acfg.is_interpolated:
@@ -115,15 +120,17 @@ def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim
     def empty(p: LayerPlan) -> KV:
         k, v = (jnp.zeros((batch, kv_heads, p.rows, head_dim), dtype) for _ in range(2))
         ksum = jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), jnp.float32) if p.kind == "block_sparse" else None
-        return KV(k, v, ksum)
+        kcmp, vcmp = (jnp.zeros((batch, kv_heads, num_block_sums(p), head_dim), dtype) for _ in range(2)) if p.kind == "nsa" else (None, None)
+        return KV(k, v, ksum, kcmp, vcmp)
 
     return tuple(empty(p) for p in plans)
 
 
-def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array, block_size: int = 0) -> KV:
+def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Array, block_size: int = 0, compressed: tuple[Array, Array] | None = None) -> KV:
     """Store the key/value of position ``pos`` (traced) in its row ``pos % M``, once ``after``
     (the attention output that read the old cache) is computed; a block-sparse layer's block
-    sum is written when ``pos`` completes its block.
+    sum is written when ``pos`` completes its block; an NSA layer's ``compressed`` (kcmp, vcmp),
+    computed by the step with this block completed, replace the old ones.
 
     The write takes a zero made from ``after`` (x * 0 is not folded for floats), so it depends
     on every read of the cache. Without that order XLA:CPU copies each donated cache once or
@@ -144,12 +151,14 @@ def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Arra
         done = (pos + 1) % block_size == 0
         old_BK1E = jax.lax.dynamic_slice_in_dim(ksum, pos // block_size, 1, axis=2)
         ksum = jax.lax.dynamic_update_slice_in_dim(ksum, jnp.where(done, sum_BK1E, old_BK1E), pos // block_size, axis=2)
-    return KV(k, v, ksum)
+    kcmp, vcmp = compressed if compressed is not None else (kv.kcmp, kv.vcmp)
+    return KV(k, v, ksum, kcmp, vcmp)
 
 
-def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
+def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array, compressed: tuple[Array, Array] | None = None) -> KV:
     """The cache after a prompt of P tokens: its last min(P, M) positions in rows p % M (and the
-    sums of the prompt's completed blocks)."""
+    sums of the prompt's completed blocks; for NSA ``compressed``, the prompt's compressed blocks
+    [B, P // block, K, E] as the layer computes them)."""
     b, p, kh, e = k_BPKE.shape
     keep = min(p, plan.rows)
     rows = np.arange(p - keep, p) % plan.rows
@@ -159,7 +168,10 @@ def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array) -> KV:
         done = p // plan.block_size
         sums_BKNE = jnp.sum(jnp.swapaxes(k[:, :, : done * plan.block_size], 1, 2).reshape(b, done, plan.block_size, kh, e).astype(jnp.float32), axis=2)
         ksum = jnp.zeros((b, kh, num_block_sums(plan), e), jnp.float32).at[:, :, :done].set(jnp.swapaxes(sums_BKNE, 1, 2))
-    return KV(k, v, ksum)
+    kcmp = vcmp = None
+    if plan.kind == "nsa":
+        kcmp, vcmp = (jnp.zeros((b, kh, num_block_sums(plan), e), x.dtype).at[:, :, : x.shape[1]].set(jnp.swapaxes(x, 1, 2)) for x in compressed)
+    return KV(k, v, ksum, kcmp, vcmp)
 
 
 def cache_bytes(cache: Cache) -> int:
