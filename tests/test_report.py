@@ -17,6 +17,17 @@ STAGGER_PPL = [42.02, 41.65, 41.45]
 DENSE_PPL = [33.37, 49.15, 100.36]
 PAPER_GAP = [0.023, 0.039, 0.033, 0.040, 0.033, 0.044, 0.037, 0.037]
 STAGGER_BINS = [3.9, 3.8, 3.75, 3.72, 3.7, 3.69, 3.68, 3.67]
+# A two-layer model of the tiny config that trains in seconds (for end-to-end tests of commands).
+TINY_RUN = (
+    "seq_len=32",
+    "global_batch=8",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "data.default_vocab_size=384",
+    "model.vocab_size=384",
+)
 ATTN = {
     "kind": "offset",
     "window": 8,
@@ -257,19 +268,7 @@ def test_report_on_two_tiny_trained_runs(tmp_path):
     from fibjax.train.loop import train
 
     tiny = load_config_file(Path(__file__).resolve().parent.parent / "configs" / "tiny.py")
-    common = [
-        "steps=4",
-        "seq_len=32",
-        "global_batch=8",
-        "model.d_model=32",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "data.default_vocab_size=384",
-        "model.vocab_size=384",
-        "eval.max_tokens=2048",
-        "eval.length_multipliers=(1,4)",
-    ]
+    common = ["steps=4", *TINY_RUN, "eval.max_tokens=2048", "eval.length_multipliers=(1,4)"]
     dirs = []
     shared_data = [f"data.path={tmp_path / 'dense' / 'data'}"]  # the second run reuses the first run's prepared corpus
     for name, attention in (("dense", ["model.attention.kind=dense"]), ("fib_learned", ["model.attention.alpha=learned", *shared_data])):

@@ -11,7 +11,7 @@ import pytest
 
 from fibjax.config import ConfigError
 from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, write_results
-from tests.test_report import ATTN, rows_for
+from tests.test_report import ATTN, TINY_RUN, rows_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -99,20 +99,7 @@ def test_the_record_rebuilds_finished_runs_on_a_new_machine(tmp_path, capsys):
 def test_launch_study_end_to_end(tmp_path):
     """Two tiny runs through `python -m launch.study`: trained and evaluated as child commands, the
     report written; run again, both are skipped; --status says done."""
-    small = [
-        "steps=3",
-        "seq_len=32",
-        "global_batch=8",
-        "model.d_model=32",
-        "model.num_layers=2",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "data.default_vocab_size=384",
-        "model.vocab_size=384",
-        "eval.max_tokens=1024",
-        "eval.length_multipliers=(1,2)",
-        f"data.path={tmp_path / 'data'}",
-    ]
+    small = ["steps=3", *TINY_RUN, "eval.max_tokens=1024", "eval.length_multipliers=(1,2)", f"data.path={tmp_path / 'data'}"]
     from fibjax.data.prepare import prepare_default
 
     prepare_default(tmp_path / "data", vocab_size=384)  # both runs read one prepared corpus
