@@ -161,6 +161,9 @@ def _extra_eval_path(run_dir: Path, step: int, args: tuple[str, ...]) -> Path:
 
 
 def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s: float = 6000.0) -> str:
+    measured = sorted(s.tokens_per_s for s in statuses if s.tokens_per_s)
+    if measured:  # the study's own measured speed beats a guess for the runs not started yet
+        fallback_tokens_per_s = measured[len(measured) // 2]
     lines = [
         f"study {study.name}: {study.workdir} -> {study.results}",
         "| run | stage | state | step | tokens | tok/s | ETA |",
@@ -179,7 +182,8 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
     done = sum(s.state == "done" for s in statuses)
     lines.append(
         f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
-        f"(measured tok/s, else {fallback_tokens_per_s:,.0f}; evaluation adds a few minutes a run)"
+        f"(measured tok/s; runs not started at {fallback_tokens_per_s:,.0f}, {'the median measured here' if measured else 'a guess'}; "
+        "evaluation adds a few minutes a run)"
     )
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ Every model is the CPU recipe of ``fibjax.recipes.cpu`` (d_model 128, 8 layers, 
 rungs bounded by the training length) with only the attention differing, trained on data/cpu
 (README: "Training on real data") for 2,000 steps x 4,096 tokens = 8.2M tokens, with validation
 curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens per dataset.
+Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
 """
 
 from fibjax.study import Study, StudyRun
@@ -11,6 +12,22 @@ from fibjax.study import Study, StudyRun
 COMMON = ("steps=2000", "checkpoint.every_steps=250", "eval.every_steps=250", "eval.max_tokens=131072")
 SEED2 = ("seed=43",)
 SPARSE = (("--inference-mode", "sparse"),)
+# Paper B's continual training to a longer context at CPU scale: the 256-token models continued
+# at 1024 for 300 steps of the same 4,096 tokens (1.2M tokens), a fresh optimizer (init_from).
+YARN_256 = ("--rope", "scaling=yarn", "factor=4", "original_len=256")
+YARN_1024 = ("--rope", "scaling=yarn", "factor=4", "original_len=1024")
+
+
+def continued(name: str) -> tuple[str, ...]:
+    return (
+        f"init_from=runs/study/cpu/{name}",
+        "seq_len=1024",
+        "global_batch=4",
+        "steps=300",
+        "optim.warmup_steps=30",
+        "checkpoint.every_steps=100",
+        "eval.every_steps=100",
+    )
 
 
 def get_study() -> Study:
@@ -35,9 +52,13 @@ def get_study() -> Study:
             StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", stage=2),
             StudyRun("fib_fixed_w12", "configs/cpu/fib_fixed_w12.py", stage=2),
             StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", stage=2),
-            StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=SPARSE),
+            StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256)),
             StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2),
-            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=SPARSE),
+            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256)),
             StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", stage=2, extra_evals=SPARSE),
+            # stage 3: continual training of paper B's FullAttn and SSA from 256 to 1024 tokens,
+            # each evaluated at 1x-4x with and without YaRN (and SSA under sparse inference)
+            StudyRun("ssa_fullattn_c1024", "configs/ssa/cpu_fullattn.py", continued("ssa_fullattn"), stage=3, extra_evals=(YARN_1024,)),
+            StudyRun("ssa_ssa_c1024", "configs/ssa/cpu_ssa.py", continued("ssa_ssa"), stage=3, extra_evals=(*SPARSE, YARN_1024)),
         ),
     )
