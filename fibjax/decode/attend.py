@@ -102,13 +102,6 @@ def _block_with_own_row(x_BKME: Array, own_BK1E: Array, pos: Array, block: int) 
     return jnp.where(((start + jnp.arange(block)) == pos)[None, None, :, None], own_BK1E.astype(x_BKME.dtype), rows_BKJE)
 
 
-def _with_completed_block(per_block_BKNE: Array, new_BK1E: Array, pos: Array, block: int) -> Array:
-    """``per_block`` with entry pos // block replaced by ``new`` iff ``pos`` completes its block."""
-    old_BK1E = jax.lax.dynamic_slice_in_dim(per_block_BKNE, pos // block, 1, axis=2)
-    done = (pos + 1) % block == 0
-    return jax.lax.dynamic_update_slice_in_dim(per_block_BKNE, jnp.where(done, new_BK1E.astype(old_BK1E.dtype), old_BK1E), pos // block, axis=2)
-
-
 def _read(q_BKGE: Array, keys: list[Array], values: list[Array], valid: list) -> Array:
     """One softmax over the concatenated keys ([B, K, S_i, E] each; ``valid`` [S_i] or [B, K, 1, S_i])
     and the matching read of the values: [B, K, G, E] float32 (0 where nothing is valid)."""
@@ -130,7 +123,7 @@ def attend_nsa_token(plan: LayerPlan, attn, q_B1HE, k_B1KE, v_B1KE, x_B1D, kv: K
     q_BKGE = group_queries(q_B1HE, kv.k.shape[1])[:, 0]
     own_k, own_v = jnp.swapaxes(k_B1KE, 1, 2), jnp.swapaxes(v_B1KE, 1, 2)
     kcmp, vcmp = (
-        _with_completed_block(cached, jnp.swapaxes(compress(jnp.swapaxes(_block_with_own_row(rows, own, pos, block), 1, 2)), 1, 2), pos, block)
+        cache_lib.with_completed_block(cached, jnp.swapaxes(compress(jnp.swapaxes(_block_with_own_row(rows, own, pos, block), 1, 2)), 1, 2), pos, block)
         for cached, rows, own, compress in ((kv.kcmp, kv.k, own_k, attn.nsa.k_compress), (kv.vcmp, kv.v, own_v, attn.nsa.v_compress))
     )
     n = kcmp.shape[2]
@@ -162,7 +155,7 @@ def attend_token(plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Ar
         rank_BKNE = kv.ksum
         if plan.rank == "nsa_prob":  # block means, the own block's complete with this key
             own_sum_BK1E = jnp.sum(_block_with_own_row(kv.k, k_BK1E, pos, plan.block_size).astype(jnp.float32), axis=2, keepdims=True)
-            rank_BKNE = _with_completed_block(kv.ksum, own_sum_BK1E, pos, plan.block_size) / plan.block_size
+            rank_BKNE = cache_lib.with_completed_block(kv.ksum, own_sum_BK1E, pos, plan.block_size) / plan.block_size
         rows_BKS = _selected_rows(plan, q_B1HE, rank_BKNE, pos)
         keys, values = [_take_rows(kv.k, rows_BKS)], [_take_rows(kv.v, rows_BKS)]
         valid = [((rows_BKS >= 0) & (rows_BKS < pos))[:, :, None, :]]

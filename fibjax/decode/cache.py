@@ -148,11 +148,17 @@ def write_token(kv: KV, k_B1KE: Array, v_B1KE: Array, pos: Array, *, after: Arra
         # the block's rows (this one just written), summed as the full forward sums a block
         start = pos // block_size * block_size
         sum_BK1E = jnp.sum(jax.lax.dynamic_slice_in_dim(k, start, block_size, axis=2).astype(jnp.float32), axis=2, keepdims=True)
-        done = (pos + 1) % block_size == 0
-        old_BK1E = jax.lax.dynamic_slice_in_dim(ksum, pos // block_size, 1, axis=2)
-        ksum = jax.lax.dynamic_update_slice_in_dim(ksum, jnp.where(done, sum_BK1E, old_BK1E), pos // block_size, axis=2)
+        ksum = with_completed_block(ksum, sum_BK1E, pos, block_size)
     kcmp, vcmp = compressed if compressed is not None else (kv.kcmp, kv.vcmp)
     return KV(k, v, ksum, kcmp, vcmp)
+
+
+def with_completed_block(per_block_BKNE: Array, new_BK1E: Array, pos: Array, block: int) -> Array:
+    """``per_block`` with entry pos // block replaced by ``new`` iff ``pos`` completes its block
+    (a block's sum or compressed key is written once, by the step of its last position)."""
+    old_BK1E = jax.lax.dynamic_slice_in_dim(per_block_BKNE, pos // block, 1, axis=2)
+    done = (pos + 1) % block == 0
+    return jax.lax.dynamic_update_slice_in_dim(per_block_BKNE, jnp.where(done, new_BK1E.astype(old_BK1E.dtype), old_BK1E), pos // block, axis=2)
 
 
 def from_prompt(plan: LayerPlan, k_BPKE: Array, v_BPKE: Array, compressed: tuple[Array, Array] | None = None) -> KV:
