@@ -22,6 +22,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from fibjax.attention.pallas import BlockSizes
     from fibjax.bench import attention as attn_bench
+    from fibjax.bench import decode as decode_bench
 
     parser = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -43,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("formulations", help="the XLA formulations of the static path we chose between", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
-    p = sub.add_parser("decode", help="per-token decoding latency and KV-cache memory, sparse vs dense, against the context", **defaults)
+    p = sub.add_parser("decode", help="per-token decoding latency and KV-cache memory, sparse / moba / nsa vs dense, against the context", **defaults)
     p.add_argument("--context", type=_ints, default=[1024, 4096, 16384, 65536], help="context lengths")
     p.add_argument("--steps", type=int, default=16, help="tokens timed per context")
+    p.add_argument("--kinds", default=",".join(decode_bench.KINDS), help=f"comma list of {list(decode_bench.KINDS)}")
     p.add_argument("--d-model", type=int, default=256, help="model width")
     p.add_argument("--layers", type=int, default=4, help="layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
@@ -66,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(train_bench.table(rows))
         return 0
     if args.what == "decode":
-        from fibjax.bench import decode as decode_bench
-
+        kinds = [k for k in args.kinds.split(",") if k]
+        if unknown := sorted(set(kinds) - set(decode_bench.KINDS)):
+            parser.error(f"unknown kind(s) {unknown}; known: {list(decode_bench.KINDS)}")
         spec = decode_bench.Spec(d_model=args.d_model, num_layers=args.layers, dtype=args.dtype)
-        results, params = decode_bench.run(spec, args.context, args.steps, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        results, params = decode_bench.run(spec, args.context, args.steps, kinds, progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(f"backend={jax.default_backend()} {spec} batch=1 steps={args.steps} params={params}")
         print(decode_bench.table(results, args.context))
         return 0

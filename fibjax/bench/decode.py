@@ -1,14 +1,17 @@
 """``python -m launch.bench decode``: per-token latency and KV-cache memory against the context.
 
-Three models of the same size that differ only in attention: sparse (Fibonacci, staggered alpha,
+Four models of the same size that differ only in attention: sparse (Fibonacci, staggered alpha,
 window 12 by default), moba (block-sparse: 16 blocks of 16 keys, paper B's receptive field 256;
-SSA's sparse inference) and dense. For each context n a decoder is built with capacity n, its
+SSA's sparse inference), nsa (NSA: the same 16 blocks of 16 keys selected, every block's
+compressed key and value, and a window of 128, half the selection's receptive field as in the
+CPU config) and dense. For each context n a decoder is built with capacity n, its
 cache filled with random keys and values (their values do not change the work), and ``steps``
 tokens are timed one by one at positions n - steps .. n - 1 (each step synchronised); the
 median and the fastest step are reported. Cache MiB is the size of every layer's buffers: ring
-buffers of (largest distance + 1) rows for the sparse model, n rows per layer for dense and
-moba (plus moba's block key sums). "read" is what one token's attention reads from the cache,
-all layers: every row for dense; the block sums and the S x B selected rows for moba; the
+buffers of (largest distance + 1) rows for the sparse model, n rows per layer for the others
+(plus moba's block key sums and nsa's compressed blocks). "read" is what one token's attention
+reads from the cache, all layers: every row for dense; the block sums and the S x B selected
+rows for moba; the compressed blocks, the S x B selected rows and the window for nsa; the
 attended rows for the sparse model.
 """
 
@@ -27,7 +30,7 @@ from fibjax.decode import Decoder, cache_bytes
 from fibjax.decode.cache import KV
 from fibjax.model import Transformer, count_params
 
-KINDS = ("sparse", "moba", "dense")
+KINDS = ("sparse", "moba", "nsa", "dense")
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,14 @@ class Spec:
     window: int = 12
     block_size: int = 16
     num_blocks: int = 16
+    nsa_window: int = 128
     dtype: str = "float32"
 
     def model_config(self, kind: str) -> ModelConfig:
         attention = {
             "sparse": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
             "moba": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
+            "nsa": AttentionConfig(kind="nsa", block_size=self.block_size, num_blocks=self.num_blocks, window=self.nsa_window),
             "dense": AttentionConfig(kind="dense"),
         }[kind]
         return ModelConfig(
@@ -76,7 +81,8 @@ def random_cache(decoder: Decoder, key) -> tuple[KV, ...]:
 
 
 def read_bytes(decoder: Decoder, cache) -> int:
-    """Cache bytes one token's attention reads (keys and values; block sums for moba)."""
+    """Cache bytes one token's attention reads (keys and values; block sums for moba; compressed
+    blocks for nsa, whose own block is read once for its compression and its selection)."""
     total = 0
     for plan, kv in zip(decoder.plans, cache):
         row = kv.k.shape[1] * kv.k.shape[3] * kv.k.dtype.itemsize * 2  # one position's K and V, all KV heads
@@ -84,6 +90,8 @@ def read_bytes(decoder: Decoder, cache) -> int:
             total += plan.rows * row
         elif plan.kind == "block_sparse":
             total += kv.ksum.nbytes + (plan.top + 1) * plan.block_size * row
+        elif plan.kind == "nsa":
+            total += kv.kcmp.nbytes + kv.vcmp.nbytes + ((plan.top + 1) * plan.block_size + plan.window) * row
         else:
             total += (len(plan.distances) + 2 * len(plan.slots)) * row
     return total
@@ -104,10 +112,10 @@ def measure(model: Transformer, context: int, steps: int) -> Row:
     return Row(statistics.median(times), min(times), size / 2**20, read_bytes(decoder, cache) / 2**20, [p.rows for p in decoder.plans])
 
 
-def run(spec: Spec, contexts: list[int], steps: int, progress=None) -> tuple[dict[tuple[str, int], Row], dict[str, int]]:
-    """{(kind, context): Row} and the parameter count of each model."""
+def run(spec: Spec, contexts: list[int], steps: int, kinds=KINDS, progress=None) -> tuple[dict[tuple[str, int], Row], dict[str, int]]:
+    """{(kind, context): Row} and the parameter count of each model (``kinds``: a subset of KINDS)."""
     results, params = {}, {}
-    for kind in KINDS:
+    for kind in kinds:
         model = Transformer(spec.model_config(kind), rngs=nnx.Rngs(0))
         params[kind] = count_params(model)
         for n in contexts:
@@ -118,19 +126,23 @@ def run(spec: Spec, contexts: list[int], steps: int, progress=None) -> tuple[dic
 
 
 def table(results: dict[tuple[str, int], Row], contexts: list[int]) -> str:
+    kinds = [k for k in KINDS if (k, contexts[0]) in results]
+    sparse = [k for k in kinds if k != "dense"] if "dense" in kinds else []
     lines = [
-        "| context | sparse ms/token (best) | moba ms/token (best) | dense ms/token (best) | dense / sparse | dense / moba "
-        "| read MiB/token sparse / moba / dense | cache MiB sparse / moba / dense |",
-        "|---:|---:|---:|---:|---:|---:|---|---|",
+        "| context | "
+        + " | ".join(f"{k} ms/token (best)" for k in kinds)
+        + " | "
+        + " | ".join(f"dense / {k}" for k in sparse)
+        + f" | read MiB/token {' / '.join(kinds)} | cache MiB {' / '.join(kinds)} |",
+        "|---:|" + "---:|" * (len(kinds) + len(sparse)) + "---|---|",
     ]
     for n in contexts:
-        s, m, d = (results[(k, n)] for k in KINDS)
-        times = " | ".join(f"{r.ms:.2f} ({r.best_ms:.2f})" for r in (s, m, d))
-        lines.append(
-            f"| {n} | {times} | {d.ms / s.ms:.1f}x | {d.ms / m.ms:.1f}x | {s.read_mib:.2f} / {m.read_mib:.2f} / {d.read_mib:.2f} "
-            f"| {s.cache_mib:.1f} / {m.cache_mib:.1f} / {d.cache_mib:.1f} |"
-        )
-    crossover = next((n for n in contexts if results[("moba", n)].ms < results[("dense", n)].ms), None)
+        rows = {k: results[(k, n)] for k in kinds}
+        cells = [f"{r.ms:.2f} ({r.best_ms:.2f})" for r in rows.values()] + [f"{rows['dense'].ms / rows[k].ms:.1f}x" for k in sparse]
+        reads, caches = (" / ".join(f"{getattr(r, f):.{p}f}" for r in rows.values()) for f, p in (("read_mib", 2), ("cache_mib", 1)))
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {reads} | {caches} |")
     lines.append("")
-    lines.append(f"moba is faster than dense from context {crossover} on" if crossover else "moba was not faster than dense at any context measured")
+    for k in [k for k in ("moba", "nsa") if k in sparse]:
+        crossover = next((n for n in contexts if results[(k, n)].ms < results[("dense", n)].ms), None)
+        lines.append(f"{k} is faster than dense from context {crossover} on" if crossover else f"{k} was not faster than dense at any context measured")
     return "\n".join(lines)

@@ -49,7 +49,7 @@ LEARNED_MARGIN_ROWS = 1
 class LayerPlan:
     """One layer's cache and attended set at capacity ``max_len`` (hashable: a static value)."""
 
-    kind: str  # as the layer's attention: "dense" | "offset" | "interpolated" | "block_sparse"
+    kind: str  # as the layer's attention: "dense" | "offset" | "interpolated" | "block_sparse" | "nsa"
     rows: int  # cache rows (the ring buffer's length)
     max_len: int
     distances: tuple[int, ...] = ()  # offset: the attended set; interpolated: the window {0..W}
