@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--paths",
         default=",".join(attn_bench.default_paths()),
-        help=f"comma list of {list(attn_bench.PATHS)} (default: those fast here; on CPU the *_pallas rows are interpret mode)",
+        help=f"comma list of {[*attn_bench.PATHS, *attn_bench.EXTERNAL]} (default: those fast here; on CPU the *_pallas rows are interpret mode)",
     )
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
-    p = sub.add_parser("formulations", help="the XLA formulations of the static path we chose between", **defaults)
+    p = sub.add_parser("formulations", help="the XLA formulations we chose between (the static path; dense attention)", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
     p = sub.add_parser("decode", help="per-token decoding latency and KV-cache memory, sparse / moba / nsa vs dense, against the context", **defaults)
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     paths = [x for x in args.paths.split(",") if x]
-    unknown = sorted(set(paths) - set(attn_bench.PATHS))
-    if unknown:
-        parser.error(f"unknown path(s) {unknown}; known: {list(attn_bench.PATHS)}")
+    known = [*attn_bench.PATHS, *attn_bench.EXTERNAL]
+    if unknown := sorted(set(paths) - set(known)):
+        parser.error(f"unknown path(s) {unknown}; known: {known}")
     print(
         f"backend={jax.default_backend()} devices={jax.devices()} dtype={args.dtype} batch={args.batch} "
         f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats}",

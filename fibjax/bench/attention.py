@@ -9,7 +9,9 @@ taken in the same process.
 ``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (interpret mode on
 CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU only when named
 in ``--paths``), ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")``, causal
-and dense (GPU, 16-bit dtypes only). GB/s is the compulsory HBM traffic (``traffic_bytes``)
+and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal
+``scaled_dot_product_attention`` on the same inputs, timed by torch (the row appears when torch is
+installed: ``pip install torch``); ``dense / torch_sdpa`` is the dense XLA path's distance from it. GB/s is the compulsory HBM traffic (``traffic_bytes``)
 over the time: what a memory-bound kernel should drive towards the device's peak.
 """
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 
 from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
+from fibjax.bench import torch_sdpa
 from fibjax.bench.timing import Measurement, measure
 
 
@@ -129,10 +132,13 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "learned_pallas": _learned_pallas,
     "cudnn": _cudnn,
 }
+# paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
+EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.measure)}
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
     ("static", "dense"),
+    ("dense", "torch_sdpa"),
     ("learned", "static"),
     ("learned_frozen", "static"),
     ("block_sparse", "dense"),
@@ -147,9 +153,10 @@ RATIOS: list[tuple[str, str]] = [
 
 def default_paths() -> list[str]:
     """Every path that is fast enough to run here: on CPU the Pallas rows are interpret mode."""
+    external = [name for name, (available, _) in EXTERNAL.items() if available()]
     if jax.default_backend() == "cpu":
-        return ["dense", "static", "learned", "learned_frozen", "block_sparse", "nsa"]
-    return list(PATHS)
+        return ["dense", "static", "learned", "learned_frozen", "block_sparse", "nsa", *external]
+    return [*PATHS, *external]
 
 
 def inputs(case: Case):
@@ -187,6 +194,14 @@ def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], No
     alpha = jnp.float32(case.alpha)
     results = {}
     for name in paths:
+        if name in EXTERNAL:
+            available, measure_external = EXTERNAL[name]
+            if not available():
+                progress(f"seq {case.seq_len} {name}: skipped (not installed)")
+                continue
+            results.update({(name, mode): m for mode, m in measure_external(q, k, v, repeats).items()})
+            progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
+            continue
         try:
             f = PATHS[name](case)
         except Unavailable as e:
