@@ -5,8 +5,8 @@ Every query reads the same shifted rows of K/V, so nothing here is ever [T, T]:
 * the window {0..W} is a *band*: queries in blocks of C, each block against the C + W keys
   that end at it, as one small batched matmul per block (then masked to the band);
 * every other attended distance is a *slot*: a shifted view x[i - d] of the whole sequence,
-  scored with a multiply-reduce over D. A learned rung is a slot whose shift lo is traced,
-  interpolated with its far neighbour: (1-frac) x[i-lo] + frac x[max(i-lo-1, 0)].
+  scored with a multiply-reduce over D. A learned rung is a slot whose shift lo is traced, its
+  keys and values mixed with their far neighbours first: (1-frac) x[i-lo] + frac x[max(i-lo-1, 0)].
 
 Band and slot scores share one float32 softmax. The formulation was chosen by measurement
 over an index gather and over slots-only: BUILD_NOTES.md, "XLA formulation".
@@ -64,20 +64,26 @@ def _shift_dynamic_bwd(d, g_BTKD):
 _shift_dynamic.defvjp(_shift_dynamic_fwd, _shift_dynamic_bwd)
 
 
-def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
-    """x[max(i - lo - 1, 0)] from near = x[i - lo]: near one row earlier, except at i = lo where
-    the clamp gives x[0] = near[lo]. One static shift instead of a second dynamic one (the
-    learned path was 17% faster end to end; BUILD_NOTES.md, "XLA formulation")."""
-    at_lo_T = jnp.arange(near_BTKD.shape[1]) == lo
-    return jnp.where(at_lo_T[None, :, None, None], near_BTKD, _shift(near_BTKD, 1))
+def _blend(x_BTKD: Array, frac, dtype) -> Array:
+    """m[j] = (1 - frac) x[j] + frac x[max(j - 1, 0)] in ``dtype``: shifted by lo, the interpolated
+    rung (1 - frac) x[i - lo] + frac x[max(i - lo - 1, 0)] (the clamp included)."""
+    x = x_BTKD.astype(dtype)
+    prev = jnp.concatenate([x[:, :1], x[:, :-1]], axis=1)  # x[max(j - 1, 0)]
+    return x + jnp.asarray(frac, dtype) * (prev - x)
+
+
+def _interpolated_shift(x_BTKD: Array, lo: Array, frac: Array) -> Array:
+    """A learned rung's keys or values at a traced (lo, frac), float32: blended once, then one
+    dynamic shift, so the rung is read once, as a static distance is (XLA's CPU library fusions
+    take each operand of a read as a whole buffer: two taps and a broadcast frac cost three)."""
+    return _shift_dynamic(_blend(x_BTKD, frac, frac.dtype), lo)
 
 
 def _mix(x_BTKD: Array, lo: int, frac: float) -> Array:
     """(1 - frac) x[i - lo] + frac x[max(i - lo - 1, 0)] for a static lo and frac: the blend
     m[j] = (1 - frac) x[j] + frac x[max(j - 1, 0)] shifted by lo, so one elementwise pass and one
     static shift, as a static distance costs one shift."""
-    prev = jnp.concatenate([x_BTKD[:, :1], x_BTKD[:, :-1]], axis=1)  # x[max(j - 1, 0)]
-    return _shift(x_BTKD + jnp.asarray(frac, x_BTKD.dtype) * (prev - x_BTKD), lo)
+    return _shift(_blend(x_BTKD, frac, x_BTKD.dtype), lo)
 
 
 # --- the band (window) ----------------------------------------------------------------------
@@ -190,9 +196,7 @@ def _sparse_attention(
         valid.append(jnp.asarray(pos_T >= lo)[:, None])
     if rungs is not None:
         for lo, frac, active in zip(*rungs):
-            k_near = _shift_dynamic(k, lo)
-            near, far = _slot_scores(q_BTKGD, k_near), _slot_scores(q_BTKGD, _far_neighbour(k_near, lo))
-            scores.append((near + frac * (far - near))[..., None])  # the score is linear in the key
+            scores.append(_slot_scores(q_BTKGD, _interpolated_shift(k, lo, frac))[..., None])
             valid.append(((pos_T >= lo) & active)[:, None])
     if not scores:  # no distance is short enough for this length: every row is empty
         scores, valid = [_slot_scores(q_BTKGD, k)[..., None]], [jnp.zeros((t_pad, 1), bool)]
@@ -210,8 +214,7 @@ def _sparse_attention(
         col += 1
     if rungs is not None:
         for lo, frac, _ in zip(*rungs):
-            p_BTKG, v_near = p_BTKGS[..., col], _shift_dynamic(v, lo)
-            o_BTKGD += _slot_values(p_BTKG * (1 - frac), v_near) + _slot_values(p_BTKG * frac, _far_neighbour(v_near, lo))
+            o_BTKGD += _slot_values(p_BTKGS[..., col], _interpolated_shift(v, lo, frac))
             col += 1
     return finish(o_BTKGD, lse_BTKG, q[:, :seq_len], return_lse)
 
