@@ -64,6 +64,14 @@ def _shift_dynamic_bwd(d, g_BTKD):
 _shift_dynamic.defvjp(_shift_dynamic_fwd, _shift_dynamic_bwd)
 
 
+def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
+    """x[max(i - lo - 1, 0)] from near = x[i - lo]: near one row earlier, except at i = lo where
+    the clamp gives x[0] = near[lo]. One static shift instead of a second dynamic one (the
+    learned path was 17% faster end to end; BUILD_NOTES.md, "XLA formulation")."""
+    at_lo_T = jnp.arange(near_BTKD.shape[1]) == lo
+    return jnp.where(at_lo_T[None, :, None, None], near_BTKD, _shift(near_BTKD, 1))
+
+
 def _blend(x_BTKD: Array, frac, dtype) -> Array:
     """m[j] = (1 - frac) x[j] + frac x[max(j - 1, 0)] in ``dtype``: shifted by lo, the interpolated
     rung (1 - frac) x[i - lo] + frac x[max(i - lo - 1, 0)] (the clamp included)."""
@@ -171,6 +179,7 @@ def _sparse_attention(
     seq_len: int,
     return_lse: bool,
     fixed_rungs: Sequence[tuple[int, float]] = (),
+    blend_rungs: bool = True,
 ):
     """Band {0..window} (None: no band) + static slots at ``distances`` + learned ``rungs`` +
     ``fixed_rungs``: interpolated rungs (lo, frac) of a known alpha, whose keys and values are
@@ -196,7 +205,12 @@ def _sparse_attention(
         valid.append(jnp.asarray(pos_T >= lo)[:, None])
     if rungs is not None:
         for lo, frac, active in zip(*rungs):
-            scores.append(_slot_scores(q_BTKGD, _interpolated_shift(k, lo, frac))[..., None])
+            if blend_rungs:
+                scores.append(_slot_scores(q_BTKGD, _interpolated_shift(k, lo, frac))[..., None])
+            else:
+                k_near = _shift_dynamic(k, lo)
+                near, far = _slot_scores(q_BTKGD, k_near), _slot_scores(q_BTKGD, _far_neighbour(k_near, lo))
+                scores.append((near + frac * (far - near))[..., None])  # the score is linear in the key
             valid.append(((pos_T >= lo) & active)[:, None])
     if not scores:  # no distance is short enough for this length: every row is empty
         scores, valid = [_slot_scores(q_BTKGD, k)[..., None]], [jnp.zeros((t_pad, 1), bool)]
@@ -214,7 +228,11 @@ def _sparse_attention(
         col += 1
     if rungs is not None:
         for lo, frac, _ in zip(*rungs):
-            o_BTKGD += _slot_values(p_BTKGS[..., col], _interpolated_shift(v, lo, frac))
+            if blend_rungs:
+                o_BTKGD += _slot_values(p_BTKGS[..., col], _interpolated_shift(v, lo, frac))
+            else:
+                p_BTKG, v_near = p_BTKGS[..., col], _shift_dynamic(v, lo)
+                o_BTKGD += _slot_values(p_BTKG * (1 - frac), v_near) + _slot_values(p_BTKG * frac, _far_neighbour(v_near, lo))
             col += 1
     return finish(o_BTKGD, lse_BTKG, q[:, :seq_len], return_lse)
 
@@ -231,13 +249,36 @@ def offset_attention_xla(q: Array, k: Array, v: Array, *, distances: Sequence[in
     return _sparse_attention(q, k, v, window=window, distances=usable[run:], rungs=None, seq_len=t, return_lse=return_lse)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "base", "return_lse"))
-def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False):
-    """Learned path: band {0..W} plus one interpolated slot per rung that alpha in [0.5, 1.5] can activate."""
+def _learned(q, k, v, alpha, window: int, base, return_lse: bool, blend_rungs: bool):
     t = q.shape[1]
     bases = offsets.rung_slots(window=window, base=base, seq_len=t)
     rungs = traced_rung_taps(alpha, bases, window=window, seq_len=t) if bases else None
-    return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse)
+    return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse, blend_rungs=blend_rungs)
+
+
+# The two formulations of a learned rung win on different sides (BUILD_NOTES.md, "XLA formulation"):
+# blended keys and values read once (forward), near and far taps read apiece (backward, whose
+# alpha gradient then comes from [T, K, G] scores instead of [T, K, D] rows). A custom VJP gives
+# each its side: a call that is only evaluated runs the blended program, a differentiated call
+# runs the two-tap program and its own VJP.
+_learned_both = jax.custom_vjp(functools.partial(_learned, blend_rungs=True), nondiff_argnums=(4, 5, 6))
+
+
+def _learned_both_fwd(q, k, v, alpha, window, base, return_lse):
+    return jax.vjp(lambda *a: _learned(*a, window, base, return_lse, blend_rungs=False), q, k, v, alpha)
+
+
+def _learned_both_bwd(window, base, return_lse, vjp, cotangent):
+    return vjp(cotangent)
+
+
+_learned_both.defvjp(_learned_both_fwd, _learned_both_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "base", "return_lse"))
+def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, base, alpha, return_lse: bool = False):
+    """Learned path: band {0..W} plus one interpolated slot per rung that alpha in [0.5, 1.5] can activate."""
+    return _learned_both(q, k, v, jnp.asarray(alpha), window, base, return_lse)
 
 
 def frozen_rungs(alpha: float, base, *, window: int, seq_len: int, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
