@@ -5,8 +5,9 @@ Every query reads the same shifted rows of K/V, so nothing here is ever [T, T]:
 * the window {0..W} is a *band*: queries in blocks of C, each block against the C + W keys
   that end at it, as one small batched matmul per block (then masked to the band);
 * every other attended distance is a *slot*: a shifted view x[i - d] of the whole sequence,
-  scored with a multiply-reduce over D. A learned rung is a slot whose shift lo is traced, its
-  keys and values mixed with their far neighbours first: (1-frac) x[i-lo] + frac x[max(i-lo-1, 0)].
+  scored with a multiply-reduce over D. A learned rung is a slot whose shift lo is traced,
+  interpolated with its far neighbour: (1-frac) x[i-lo] + frac x[max(i-lo-1, 0)], blended before
+  the read when the call is only evaluated, read as two taps when it is differentiated.
 
 Band and slot scores share one float32 softmax. The formulation was chosen by measurement
 over an index gather and over slots-only: BUILD_NOTES.md, "XLA formulation".
