@@ -101,3 +101,16 @@ def test_the_readme_shows_the_commands_the_paper_configs_name():
 
     readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().replace("\\\n", " ").split())
     assert PREPARE_PAPER in readme and PREPARE_SSA in readme
+
+
+def test_rope_words_apply_in_any_order():
+    """``launch.eval --rope scaling=yarn factor=4 original_len=256``: each override is validated as
+    it is applied, so yarn must come after the length it needs, whatever order the user wrote."""
+    from fibjax.config import apply_overrides
+    from fibjax.eval.runner import rope_overrides
+    from fibjax.recipes import ssa_cpu
+
+    model = ssa_cpu("fullattn").model
+    for words in (["scaling=yarn", "factor=4", "original_len=256"], ["original_len=256", "scaling=yarn", "factor=4"]):
+        m = apply_overrides(model, rope_overrides(words))
+        assert (m.rope_scaling, m.rope_factor, m.rope_original_len) == ("yarn", 4.0, 256)
