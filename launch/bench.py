@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="batch size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="time the paths in turn this many times (median of the rounds' medians): fair ratios on a shared machine"
+    )
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
     p = sub.add_parser("formulations", help="the XLA formulations we chose between (the static path; dense attention)", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
@@ -87,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     known = [*attn_bench.PATHS, *attn_bench.EXTERNAL]
     if unknown := sorted(set(paths) - set(known)):
         parser.error(f"unknown path(s) {unknown}; known: {known}")
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error(f"--rounds and --repeats must be >= 1 (got {args.rounds}, {args.repeats})")
     print(
         f"backend={jax.default_backend()} devices={jax.devices()} dtype={args.dtype} batch={args.batch} "
-        f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats}",
+        f"heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} repeats={args.repeats} rounds={args.rounds}",
         flush=True,
     )
     blocks = BlockSizes(*args.pallas_blocks) if args.pallas_blocks else BlockSizes()
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         case = attn_bench.Case(
             seq_len=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, block_sizes=blocks
         )
-        rows.append((case, attn_bench.run(case, paths, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True))))
+        rows.append((case, attn_bench.run(case, paths, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True), rounds=args.rounds)))
     print(attn_bench.table(rows))
     return 0
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.bench import torch_sdpa
-from fibjax.bench.timing import Measurement, measure
+from fibjax.bench.timing import Measurement, Timer, ratio
 
 
 @dataclass(frozen=True)
@@ -187,12 +187,15 @@ def traffic_bytes(case: Case, mode: str) -> int:
     return fwd if mode == "fwd" else fwd + (4 * q_out + 4 * kv + lse)
 
 
-def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None) -> dict[tuple[str, str], Measurement]:
+def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement};
-    ``progress`` hears one line per path as it finishes."""
+    ``progress`` hears one line per path as it finishes. With ``rounds`` > 1 the JAX paths are
+    compiled once and timed in turn, round after round, and each reports the median of its
+    rounds' medians; ratios are the median of the per-round ratios (``timing.ratio``): a load
+    that comes and goes then falls on every path alike."""
     q, k, v = inputs(case)
     alpha = jnp.float32(case.alpha)
-    results = {}
+    results, timers = {}, {}
     for name in paths:
         if name in EXTERNAL:
             available, measure_external = EXTERNAL[name]
@@ -207,10 +210,17 @@ def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], No
         except Unavailable as e:
             progress(f"seq {case.seq_len} {name}: skipped ({e})")
             continue
-        results[(name, "fwd")] = measure(f, q, k, v, alpha, repeats=repeats)
-        results[(name, "fwd+bwd")] = measure(forward_backward(f), q, k, v, alpha, repeats=repeats)
+        timers[(name, "fwd")] = Timer(f, q, k, v, alpha)
+        timers[(name, "fwd+bwd")] = Timer(forward_backward(f), q, k, v, alpha)
+    rounds_ms, order = {key: [] for key in timers}, list(timers)
+    for r in range(rounds):  # each round starts one path later, so no path always follows the same one
+        for key in order[r % len(order) :] + order[: r % len(order)]:
+            rounds_ms[key].append(timers[key].times(repeats))
+    for key, timer in timers.items():
+        results[key] = timer.measurement(rounds_ms[key])
+    for name in dict.fromkeys(n for n, _ in timers):
         progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
-    return results
+    return {key: results[key] for key in sorted(results, key=lambda kv: paths.index(kv[0]))}
 
 
 def table(rows: list[tuple[Case, dict]]) -> str:
@@ -224,6 +234,6 @@ def table(rows: list[tuple[Case, dict]]) -> str:
     for case, res in rows:
         for num, den in RATIOS:
             if (num, "fwd") in res and (den, "fwd") in res:
-                r = [res[(num, m)].ms / res[(den, m)].ms for m in ("fwd", "fwd+bwd")]
+                r = [ratio(res[(num, m)], res[(den, m)]) for m in ("fwd", "fwd+bwd")]
                 lines.append(f"| {case.seq_len} | {num} / {den} | {r[0]:.3f} | {r[1]:.3f} |")
     return "\n".join(lines)

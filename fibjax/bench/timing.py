@@ -15,18 +15,47 @@ class Measurement:
     ms: float  # median wall time of one call
     spread_ms: float  # max - min over the repeats
     peak_mb: float  # XLA's buffer assignment: arguments + outputs + temporaries (not aliased)
+    round_ms: tuple[float, ...] = ()  # each round's median, when timed in interleaved rounds
+
+
+def ratio(num: Measurement, den: Measurement) -> float:
+    """num / den: the median of the per-round ratios when both were timed in the same rounds (each
+    round's pair saw the same load), else the ratio of the medians."""
+    if num.round_ms and len(num.round_ms) == len(den.round_ms):
+        return statistics.median(n / d for n, d in zip(num.round_ms, den.round_ms))
+    return num.ms / den.ms
+
+
+class Timer:
+    """``fn`` (jitted) compiled once and warmed up; each :meth:`times` call runs it ``repeats`` times.
+    Several timers interleaved round by round see the same load, so their ratios stay fair on a
+    shared machine."""
+
+    def __init__(self, fn: Callable, *args):
+        compiled = jax.jit(fn).lower(*args).compile()
+        mem = compiled.memory_analysis()
+        self.peak_mb = (
+            (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**20 if mem else float("nan")
+        )
+        self._compiled, self._args = compiled, args
+        jax.block_until_ready(compiled(*args))
+
+    def times(self, repeats: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(self._compiled(*self._args))
+            out.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
+        """The median over rounds of each round's median; the spread is over every call."""
+        every = [t for r in rounds_ms for t in r]
+        medians = tuple(statistics.median(r) for r in rounds_ms)
+        return Measurement(statistics.median(medians), max(every) - min(every), self.peak_mb, medians if len(medians) > 1 else ())
 
 
 def measure(fn: Callable, *args, repeats: int = 5) -> Measurement:
     """Compile ``fn`` (jitted) once, warm up once, then time ``repeats`` calls."""
-    jitted = jax.jit(fn)
-    compiled = jitted.lower(*args).compile()
-    mem = compiled.memory_analysis()
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes) if mem else float("nan")
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return Measurement(statistics.median(times), max(times) - min(times), peak / 2**20)
+    timer = Timer(fn, *args)
+    return timer.measurement([timer.times(repeats)])
