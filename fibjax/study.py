@@ -324,8 +324,10 @@ def write_results(study: Study, say=print) -> Path | None:
         say("no finished run yet: nothing to report")
         return None
     ref = study.reference if study.reference in {r.name for r in finished} else None
+    # a run's extra evaluations (sparse inference, RoPE scaling) are rows of their own, "RUN [tag]"
+    paths = [p for r in finished for p in (study.run_dir(r), *(_extra_eval_path(study.run_dir(r), study.train_config(r).steps, e) for e in r.extra_evals))]
     try:
-        build_report([study.run_dir(r) for r in finished], out, reference=ref)
+        build_report(paths, out, reference=ref)
     except ReportError as e:
         raise StudyError(f"the report could not be built: {e}") from e
     summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}

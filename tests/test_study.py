@@ -95,6 +95,24 @@ def test_the_record_rebuilds_finished_runs_on_a_new_machine(tmp_path, capsys):
         restore_recorded(study)
 
 
+def test_a_runs_extra_evaluations_are_rows_of_the_report(tmp_path):
+    """Paper B's runs are evaluated again under sparse inference and RoPE scaling: those evaluations
+    are reported beside the run's own, each as "RUN [tag]"."""
+    sparse = (("--inference-mode", "sparse"),)
+    runs = (StudyRun("dense", TINY, ("model.attention.kind=dense",), extra_evals=sparse),)
+    study = Study(name="t", runs=runs, workdir=str(tmp_path / "runs"), results=str(tmp_path / "results"), overrides=("steps=100",))
+    run_dir = finish(study, "dense", [30.0, 45.0, 90.0])
+    assert run_status(study, runs[0]).state == "to do"  # its extra evaluation is missing
+    extra = json.loads((run_dir / "eval" / "100.json").read_text())
+    extra["datasets"]["fineweb"] = rows_for([33.0, 40.0, 60.0], train_len=256)
+    (run_dir / "eval" / "100-study-inference-mode_sparse.json").write_text(json.dumps(extra))
+    assert run_status(study, runs[0]).state == "done"
+    write_results(study)
+    matrix = (Path(study.results) / "matrix.csv").read_text()
+    assert "dense [study-inference-mode_sparse]" in matrix and "33.0" in matrix and "30.0" in matrix
+    assert set(json.loads((Path(study.results) / "study.json").read_text())["runs"]["dense"]["evals"]) == {"100.json", "100-study-inference-mode_sparse.json"}
+
+
 @pytest.mark.slow
 def test_launch_study_end_to_end(tmp_path):
     """Two tiny runs through `python -m launch.study`: trained and evaluated as child commands, the
