@@ -32,14 +32,39 @@ BAND_BLOCK = 32
 # --- shifted views ------------------------------------------------------------------------
 
 
-def _shift(x_BTKD: Array, d: int) -> Array:
-    """out[:, i] = x[:, i - d] for a static d; zeros where i < d (those entries are masked)."""
-    t = x_BTKD.shape[1]
-    if d == 0:
-        return x_BTKD
-    if d >= t:
-        return jnp.zeros_like(x_BTKD)
-    return jnp.pad(x_BTKD, ((0, 0), (d, 0), (0, 0), (0, 0)))[:, :t]
+def _rows_down(x_BTKD: Array, d) -> Array:
+    """x[:, i - d] where i >= d, zeros above: one row gather."""
+    i_T = jnp.arange(x_BTKD.shape[1])
+    rows = jnp.take(x_BTKD, jnp.maximum(i_T - d, 0), axis=1, mode="clip")
+    return jnp.where((i_T >= d)[None, :, None, None], rows, 0)
+
+
+def _rows_up(g_BTKD: Array, d) -> Array:
+    """The transpose of :func:`_rows_down`: g[:, j + d] where j + d < T, zeros below."""
+    t = g_BTKD.shape[1]
+    i_T = jnp.arange(t)
+    rows = jnp.take(g_BTKD, jnp.minimum(i_T + d, t - 1), axis=1, mode="clip")
+    return jnp.where((i_T + d < t)[None, :, None, None], rows, 0)
+
+
+@jax.custom_vjp
+def _shift(x_BTKD: Array, d) -> Array:
+    """out[:, i] = x[:, i - d] for a static d >= 0, zeros where i < d (those entries are masked).
+    A row gather, and the gather that shifts up for the backward: on CPU both beat a pad and a
+    slice, whose transpose was much of the static path's backward (BUILD_NOTES.md, "Fleet
+    readiness"). A traced shift keeps :func:`_shift_dynamic` (gathers cost it memory)."""
+    return _rows_down(x_BTKD, d)
+
+
+def _shift_fwd(x_BTKD, d):
+    return _rows_down(x_BTKD, d), d
+
+
+def _shift_bwd(d, g_BTKD):
+    return _rows_up(g_BTKD, d), None
+
+
+_shift.defvjp(_shift_fwd, _shift_bwd)
 
 
 @jax.custom_vjp
@@ -69,8 +94,10 @@ def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
     """x[max(i - lo - 1, 0)] from near = x[i - lo]: near one row earlier, except at i = lo where
     the clamp gives x[0] = near[lo]. One static shift instead of a second dynamic one (the
     learned path was 17% faster end to end; BUILD_NOTES.md, "XLA formulation")."""
-    at_lo_T = jnp.arange(near_BTKD.shape[1]) == lo
-    return jnp.where(at_lo_T[None, :, None, None], near_BTKD, _shift(near_BTKD, 1))
+    t = near_BTKD.shape[1]
+    at_lo_T = jnp.arange(t) == lo
+    down_one = jnp.pad(near_BTKD, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :t]  # a pad, not _shift's gather: its VJP slowed this path
+    return jnp.where(at_lo_T[None, :, None, None], near_BTKD, down_one)
 
 
 def _blend(x_BTKD: Array, frac, dtype) -> Array:
