@@ -62,8 +62,9 @@ def test_window_covering_everything_is_dense():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dense_matches_oracle_including_chunked(dtype):
-    """One chunk, unrolled chunks (ragged last chunk included) and mapped chunks (padded): the
-    output, the lse, and the custom backward's gradients to q, k, v through both outputs."""
+    """One chunk, unrolled chunks (ragged last chunk included) and mapped chunks (padded; in runs
+    that each read the keys up to their end): the output, the lse, and the custom backward's
+    gradients to q, k, v through both outputs."""
     t = 40
     q, k, v = oracle.random_qkv(KEY, 2, t, 6, 2, 8, dtype)
     causal = np.tril(np.ones((t, t), bool))
@@ -78,8 +79,9 @@ def test_dense_matches_oracle_including_chunked(dtype):
         return jax.grad(f, (0, 1, 2))
 
     g_ref = loss(lambda q, k, v: oracle.masked_attention(q, k, v, causal))(q, k, v)
-    for chunk, unroll in ((1024, 0), (16, 4096), (7, 4096), (16, 0), (7, 0)):  # one shot, unrolled chunks, mapped chunks
-        attend = functools.partial(dense_attention_xla, return_lse=True, query_chunk=chunk, unroll_max_len=unroll)
+    # one shot; unrolled chunks; mapped chunks (padded to 42 = 6 x 7) in 1, 2, 3 and 6 runs of chunks
+    for chunk, unroll, runs in ((1024, 0, 8), (16, 4096, 8), (7, 4096, 8), (16, 0, 1), (7, 0, 1), (7, 0, 2), (7, 0, 4), (7, 0, 8)):
+        attend = functools.partial(dense_attention_xla, return_lse=True, query_chunk=chunk, unroll_max_len=unroll, key_segments=runs)
         out, lse = attend(q, k, v)
         _close(out, ref, oracle.TOL[dtype])
         _close(lse, ref_lse, oracle.TOL[dtype])

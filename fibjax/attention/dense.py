@@ -6,8 +6,9 @@ backward recomputes each chunk's probabilities from the log-sum-exp (p = exp(s -
 differentiating through the softmax, so one chunk's [C, T] scores are alive at a time and none
 of the softmax's intermediates is kept or differentiated. Up to ``unroll_max_len`` tokens the chunks are
 a Python loop and each reads only the keys before its end (the causal triangle: about half the
-work of a [T, T] product); beyond it a ``lax.map`` over chunks reads every key (masked): twice
-the arithmetic, a program whose size does not grow with T.
+work of a [T, T] product); beyond it the chunks go in ``key_segments`` runs, each a ``lax.map``
+(backward: ``lax.scan``) over its chunks reading the keys up to the run's end: with 8 runs,
+9/16 of a [T, T] product at any T, in a program whose size does not grow with T.
 Measurements: BUILD_NOTES.md, "Dense attention".
 """
 
@@ -22,6 +23,7 @@ from fibjax.attention.common import Array, finish, group_queries, stats_dtype
 
 QUERY_CHUNK = 256
 UNROLL_MAX_LEN = 4096
+KEY_SEGMENTS = 8  # beyond UNROLL_MAX_LEN: mapped runs of chunks, each reading the keys up to its end
 
 
 def _causal_mask(start, rows: int, chunk: int, key_len: int) -> Array:
@@ -85,53 +87,72 @@ def _merge(y_NBKM_: Array, groups: int) -> Array:
     return jnp.moveaxis(y, 0, 3).reshape(b, kh, groups, n * (m // groups), *y_NBKM_.shape[4:])
 
 
-def _forward(q_BKGTD: Array, k_BKTD: Array, v_BKTD: Array, chunk: int, unroll: bool) -> tuple[Array, Array]:
+def _segments(t: int, chunk: int, unroll: bool, key_segments: int) -> list[tuple[int, int]]:
+    """Query ranges [start, stop), each attending keys [0, stop): one per chunk when unrolled;
+    else ``key_segments`` runs of whole chunks, each a ``lax.map`` over its chunks."""
+    if unroll:
+        return _spans(t, chunk)
+    n = t // chunk
+    per = -(-n // key_segments)
+    return [(i * chunk, min(i + per, n) * chunk) for i in range(0, n, per)]
+
+
+def _forward(q_BKGTD: Array, k_BKTD: Array, v_BKTD: Array, chunk: int, unroll: bool, key_segments: int) -> tuple[Array, Array]:
     """Output [B,K,G,T,D] float32 and lse [B,K,G,T] of the pre-scaled queries."""
     g, t = q_BKGTD.shape[2:4]
-    if unroll:
-        parts = [_chunk_forward(_rows(q_BKGTD, s, e), k_BKTD[:, :, :e], v_BKTD[:, :, :e], s, e - s) for s, e in _spans(t, chunk)]
-        return tuple(jnp.concatenate([_unrows(x, g) for x in xs], axis=3) for xs in zip(*parts))
-    starts_N = jnp.arange(t // chunk, dtype=jnp.int32) * chunk
-    o_N, lse_N = jax.lax.map(lambda xs: _chunk_forward(xs[0], k_BKTD, v_BKTD, xs[1], chunk), (_split(q_BKGTD, chunk), starts_N))
-    return _merge(o_N, g), _merge(lse_N, g)
+    parts = []
+    for s, e in _segments(t, chunk, unroll, key_segments):
+        k_seg, v_seg = k_BKTD[:, :, :e], v_BKTD[:, :, :e]
+        if e - s <= chunk:
+            parts.append(tuple(_unrows(x, g) for x in _chunk_forward(_rows(q_BKGTD, s, e), k_seg, v_seg, s, e - s)))
+            continue
+        starts_N = s + jnp.arange((e - s) // chunk, dtype=jnp.int32) * chunk
+        o_N, lse_N = jax.lax.map(lambda xs: _chunk_forward(xs[0], k_seg, v_seg, xs[1], chunk), (_split(q_BKGTD[:, :, :, s:e], chunk), starts_N))
+        parts.append((_merge(o_N, g), _merge(lse_N, g)))
+    return tuple(jnp.concatenate(xs, axis=3) for xs in zip(*parts))
 
 
-def _attend_fwd(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll):
-    o_BKGTD, lse_BKGT = _forward(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll)
+def _attend_fwd(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll, key_segments):
+    o_BKGTD, lse_BKGT = _forward(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll, key_segments)
     return (o_BKGTD, lse_BKGT), (q_BKGTD, k_BKTD, v_BKTD, o_BKGTD, lse_BKGT)
 
 
-def _attend_bwd(chunk, unroll, residuals, cotangents):
+def _attend_bwd(chunk, unroll, key_segments, residuals, cotangents):
     q_BKGTD, k_BKTD, v_BKTD, o_BKGTD, lse_BKGT = residuals
     do_BKGTD, dlse_BKGT = cotangents
     per_query = (q_BKGTD, lse_BKGT, do_BKGTD, dlse_BKGT, jnp.sum(do_BKGTD * o_BKGTD, axis=-1))  # the last: delta
     g, t = q_BKGTD.shape[2:4]
     dk_BKTD, dv_BKTD = jnp.zeros(k_BKTD.shape, jnp.float32), jnp.zeros(v_BKTD.shape, jnp.float32)
-    if unroll:
-        dq_parts = []
-        for s, e in _spans(t, chunk):
-            dq, dk, dv = _chunk_backward(k_BKTD[:, :, :e], v_BKTD[:, :, :e], s, e - s, *(_rows(x, s, e) for x in per_query))
-            dq_parts.append(_unrows(dq, g))
-            dk_BKTD, dv_BKTD = dk_BKTD.at[:, :, :e].add(dk), dv_BKTD.at[:, :, :e].add(dv)
-        dq_BKGTD = jnp.concatenate(dq_parts, axis=3)
-    else:
+    dq_parts = []
+    for s, e in _segments(t, chunk, unroll, key_segments):
+        k_seg, v_seg = k_BKTD[:, :, :e], v_BKTD[:, :, :e]
+        if e - s <= chunk:
+            dq, dk, dv = _chunk_backward(k_seg, v_seg, s, e - s, *(_rows(x, s, e) for x in per_query))
+            dq = _unrows(dq, g)
+        else:
 
-        def step(carry, xs):
-            dq, dk, dv = _chunk_backward(k_BKTD, v_BKTD, xs[0], chunk, *xs[1:])
-            return (carry[0] + dk, carry[1] + dv), dq
+            def step(carry, xs, k_seg=k_seg, v_seg=v_seg):
+                dq, dk, dv = _chunk_backward(k_seg, v_seg, xs[0], chunk, *xs[1:])
+                return (carry[0] + dk, carry[1] + dv), dq
 
-        starts_N = jnp.arange(t // chunk, dtype=jnp.int32) * chunk
-        (dk_BKTD, dv_BKTD), dq_N = jax.lax.scan(step, (dk_BKTD, dv_BKTD), (starts_N, *(_split(x, chunk) for x in per_query)))
-        dq_BKGTD = _merge(dq_N, g)
+            starts_N = s + jnp.arange((e - s) // chunk, dtype=jnp.int32) * chunk
+            zeros = jnp.zeros(k_seg.shape, jnp.float32)
+            (dk, dv), dq_N = jax.lax.scan(step, (zeros, zeros), (starts_N, *(_split(x[:, :, :, s:e], chunk) for x in per_query)))
+            dq = _merge(dq_N, g)
+        dq_parts.append(dq)
+        dk_BKTD, dv_BKTD = dk_BKTD.at[:, :, :e].add(dk), dv_BKTD.at[:, :, :e].add(dv)
+    dq_BKGTD = jnp.concatenate(dq_parts, axis=3)
     return tuple(d.astype(x.dtype) for d, x in ((dq_BKGTD, q_BKGTD), (dk_BKTD, k_BKTD), (dv_BKTD, v_BKTD)))
 
 
-_attend = jax.custom_vjp(_forward, nondiff_argnums=(3, 4))
+_attend = jax.custom_vjp(_forward, nondiff_argnums=(3, 4, 5))
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=("return_lse", "query_chunk", "unroll_max_len"))
-def dense_attention_xla(q: Array, k: Array, v: Array, *, return_lse: bool = False, query_chunk: int = QUERY_CHUNK, unroll_max_len: int = UNROLL_MAX_LEN):
+@functools.partial(jax.jit, static_argnames=("return_lse", "query_chunk", "unroll_max_len", "key_segments"))
+def dense_attention_xla(
+    q: Array, k: Array, v: Array, *, return_lse: bool = False, query_chunk: int = QUERY_CHUNK, unroll_max_len: int = UNROLL_MAX_LEN, key_segments: int = KEY_SEGMENTS
+):
     """Causal softmax attention [B,T,H,D] (k, v [B,T,K,D]), flash attention's arithmetic in XLA
     (module docstring); ``return_lse`` adds the log-sum-exp [B,T,H] float32."""
     t = q.shape[1]
@@ -141,5 +162,5 @@ def dense_attention_xla(q: Array, k: Array, v: Array, *, return_lse: bool = Fals
     q_BKGTD = jnp.moveaxis(group_queries(q, k.shape[2]), 1, 3)
     q_BKGTD = jnp.pad(q_BKGTD, ((0, 0), (0, 0), (0, 0), (0, t_pad - t), (0, 0)))
     k_BKTD, v_BKTD = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
-    o_BKGTD, lse_BKGT = _attend(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll)
+    o_BKGTD, lse_BKGT = _attend(q_BKGTD, k_BKTD, v_BKTD, chunk, unroll, key_segments)
     return finish(jnp.moveaxis(o_BKGTD, 3, 1), jnp.moveaxis(lse_BKGT, 3, 1), q, return_lse)
