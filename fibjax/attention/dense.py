@@ -151,7 +151,14 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 @functools.partial(jax.jit, static_argnames=("return_lse", "query_chunk", "unroll_max_len", "key_segments"))
 def dense_attention_xla(
-    q: Array, k: Array, v: Array, *, return_lse: bool = False, query_chunk: int = QUERY_CHUNK, unroll_max_len: int = UNROLL_MAX_LEN, key_segments: int = KEY_SEGMENTS
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    return_lse: bool = False,
+    query_chunk: int = QUERY_CHUNK,
+    unroll_max_len: int = UNROLL_MAX_LEN,
+    key_segments: int = KEY_SEGMENTS,
 ):
     """Causal softmax attention [B,T,H,D] (k, v [B,T,K,D]), flash attention's arithmetic in XLA
     (module docstring); ``return_lse`` adds the log-sum-exp [B,T,H] float32."""
