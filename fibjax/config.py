@@ -431,33 +431,61 @@ def to_dict(cfg) -> dict:
 
 
 def apply_overrides(cfg, overrides: list[str]):
-    """Apply ``a.b.c=value`` strings; values are Python literals or bare words (strings)."""
+    """Apply ``a.b.c=value`` strings; values are Python literals or bare words (strings).
+
+    Every section is rebuilt once with all of its changes, so its checks see them together and
+    the order of the words never matters (``rope_scaling=yarn`` before ``rope_original_len=256``
+    is fine); a key given twice takes its last value."""
+    changes: dict = {}  # field name -> nested dict (a section) or _Leaf
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, text = item.split("=", 1)
-        cfg = _replace_path(cfg, key.strip().split("."), _parse_literal(text), key.strip())
-    return cfg
+        key = key.strip()
+        *sections, field = key.split(".")
+        node = changes
+        for i, name in enumerate(sections):
+            node = node.setdefault(name, {})
+            if isinstance(node, _Leaf):
+                raise ConfigError(f"{key}: {'.'.join(sections[: i + 1])!r} is given a value by another override")
+        if isinstance(node.get(field), dict):
+            raise ConfigError(f"{key}: other overrides set fields inside it")
+        node[field] = _Leaf(_parse_literal(text), key)
+    return _replace_all(cfg, changes)
 
 
-def _replace_path(node, keys: list[str], value, full: str, prefix: str = ""):
-    """``node`` with ``prefix + keys`` set to ``value``. A validation error already names the field
-    inside ``node`` ("window: must be >= 0"), so it gets only ``node``'s own path in front."""
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    value: object
+    full: str  # the override's key as written, for errors
+
+
+def _replace_all(node, changes: dict, prefix: str = ""):
+    """``node`` with every change of ``changes`` (a tree of field names ending in _Leaf values)
+    applied in one ``dataclasses.replace``, its sections first. A validation error already names
+    the field inside ``node`` ("window: must be >= 0"), so it gets only ``node``'s path in front."""
     names = {f.name for f in dataclasses.fields(node)}
-    head = keys[0]
-    if head not in names:
-        raise ConfigError(f"{full}: unknown key {head!r} in {type(node).__name__}; known: {sorted(names)}")
-    if len(keys) > 1:
+    values = {}
+    for head, change in changes.items():
+        full = change.full if isinstance(change, _Leaf) else next(_leaves(change)).full
+        if head not in names:
+            raise ConfigError(f"{full}: unknown key {head!r} in {type(node).__name__}; known: {sorted(names)}")
+        if isinstance(change, _Leaf):
+            values[head] = _coerce(change.value, typing.get_type_hints(type(node))[head], change.full)
+            continue
         child = getattr(node, head)
         if not dataclasses.is_dataclass(child):
             raise ConfigError(f"{full}: {head!r} is a value, not a section")
-        value = _replace_path(child, keys[1:], value, full, f"{prefix}{head}.")
-    else:
-        value = _coerce(value, typing.get_type_hints(type(node))[head], full)
+        values[head] = _replace_all(child, change, f"{prefix}{head}.")
     try:
-        return dataclasses.replace(node, **{head: value})
+        return dataclasses.replace(node, **values)
     except ConfigError as e:
         raise ConfigError(f"{prefix}{e}") from None
+
+
+def _leaves(changes: dict):
+    for change in changes.values():
+        yield from _leaves(change) if isinstance(change, dict) else (change,)
 
 
 def load_config_file(path: str | Path):

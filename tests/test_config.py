@@ -104,8 +104,8 @@ def test_the_readme_shows_the_commands_the_paper_configs_name():
 
 
 def test_rope_words_apply_in_any_order():
-    """``launch.eval --rope scaling=yarn factor=4 original_len=256``: each override is validated as
-    it is applied, so yarn must come after the length it needs, whatever order the user wrote."""
+    """``launch.eval --rope scaling=yarn factor=4 original_len=256``: yarn needs the length that
+    comes after it; the model is checked once with all the words."""
     from fibjax.config import apply_overrides
     from fibjax.eval.runner import rope_overrides
     from fibjax.recipes import ssa_cpu
@@ -114,3 +114,27 @@ def test_rope_words_apply_in_any_order():
     for words in (["scaling=yarn", "factor=4", "original_len=256"], ["original_len=256", "scaling=yarn", "factor=4"]):
         m = apply_overrides(model, rope_overrides(words))
         assert (m.rope_scaling, m.rope_factor, m.rope_original_len) == ("yarn", 4.0, 256)
+
+
+def test_overrides_are_checked_together_in_any_order():
+    """A section is rebuilt once with all its overrides: a check across fields (yarn needs
+    rope_original_len) sees them together, whatever order they are written in; the last of a
+    repeated key wins; conflicting and unknown keys name the override."""
+    from fibjax.config import TrainConfig
+
+    words = ["model.rope_scaling=yarn", "model.rope_factor=4", "model.rope_original_len=256", "steps=7", "steps=9"]
+    for order in (words, words[::-1][1:] + ["steps=9"]):
+        cfg = apply_overrides(TrainConfig(), order)
+        assert (cfg.model.rope_scaling, cfg.model.rope_original_len, cfg.steps) == ("yarn", 256, 9)
+    with pytest.raises(ConfigError, match="model.rope_original_len: yarn needs"):
+        apply_overrides(TrainConfig(), ["model.rope_scaling=yarn", "model.rope_factor=4"])
+    with pytest.raises(ConfigError, match=r"model.attention.windw: unknown key 'windw'"):
+        apply_overrides(TrainConfig(), ["model.attention.windw=3"])
+    with pytest.raises(ConfigError, match=r"modle.rope_theta: unknown key 'modle'"):
+        apply_overrides(TrainConfig(), ["modle.rope_theta=3"])
+    with pytest.raises(ConfigError, match="other overrides set fields inside it"):
+        apply_overrides(TrainConfig(), ["model.attention.window=3", "model.attention=4"])
+    with pytest.raises(ConfigError, match="given a value by another override"):
+        apply_overrides(TrainConfig(), ["model.attention=4", "model.attention.window=3"])
+    with pytest.raises(ConfigError, match=r"steps.x: 'steps' is a value, not a section"):
+        apply_overrides(TrainConfig(), ["steps.x=3"])

@@ -290,8 +290,7 @@ def rope_overrides(items: list[str]) -> list[str]:
         if not eq or key not in ROPE_KEYS:
             raise ConfigError(f"--rope {item!r}: expected key=value with key one of {sorted(ROPE_KEYS)}")
         out.append(f"{ROPE_KEYS[key]}={value}")
-    # the scaling kind last: each override is checked as it is applied, and yarn needs original_len
-    return sorted(out, key=lambda o: o.startswith("rope_scaling="))
+    return out  # in any order: apply_overrides checks the model once with all of them
 
 
 def with_rope(run: LoadedRun, items: list[str]) -> LoadedRun:
