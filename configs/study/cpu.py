@@ -16,6 +16,8 @@ SPARSE = (("--inference-mode", "sparse"),)
 # at 1024 for 300 steps of the same 4,096 tokens (1.2M tokens), a fresh optimizer (init_from).
 YARN_256 = ("--rope", "scaling=yarn", "factor=4", "original_len=256")
 YARN_1024 = ("--rope", "scaling=yarn", "factor=4", "original_len=1024")
+# Paper B's error law: ||o_sparse - o_full|| against the dropped mass, per layer, under MoBA inference
+ERROR_LAW = ("--inference-mode", "sparse", "--dropped-mass", "--max-tokens", "32768")
 
 
 def continued(name: str) -> tuple[str, ...]:
@@ -52,9 +54,9 @@ def get_study() -> Study:
             StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", stage=2),
             StudyRun("fib_fixed_w12", "configs/cpu/fib_fixed_w12.py", stage=2),
             StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", stage=2),
-            StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256)),
-            StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2),
-            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256)),
+            StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
+            StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW,)),
+            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
             StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", stage=2, extra_evals=SPARSE),
             # stage 3: continual training of paper B's FullAttn and SSA from 256 to 1024 tokens,
             # each evaluated at 1x-4x with and without YaRN (and SSA under sparse inference)
