@@ -435,7 +435,8 @@ def apply_overrides(cfg, overrides: list[str]):
 
     Every section is rebuilt once with all of its changes, so its checks see them together and
     the order of the words never matters (``rope_scaling=yarn`` before ``rope_original_len=256``
-    is fine); a key given twice takes its last value."""
+    is fine); a key given twice takes its last value (only that one is parsed and checked). A
+    section given whole (``model.attention={...}``) cannot also take field overrides."""
     changes: dict = {}  # field name -> nested dict (a section) or _Leaf
     for item in overrides:
         if "=" not in item:

@@ -79,7 +79,7 @@ def test_dense_matches_oracle_including_chunked(dtype):
         return jax.grad(f, (0, 1, 2))
 
     g_ref = loss(lambda q, k, v: oracle.masked_attention(q, k, v, causal))(q, k, v)
-    # one shot; unrolled chunks; mapped chunks (padded to 42 = 6 x 7) in 1, 2, 3 and 6 runs of chunks
+    # one shot; unrolled chunks; mapped chunks (padded to 42 = 6 x 7) in 1, 2, 4 and 6 runs of chunks
     for chunk, unroll, runs in ((1024, 0, 8), (16, 4096, 8), (7, 4096, 8), (16, 0, 1), (7, 0, 1), (7, 0, 2), (7, 0, 4), (7, 0, 8)):
         attend = functools.partial(dense_attention_xla, return_lse=True, query_chunk=chunk, unroll_max_len=unroll, key_segments=runs)
         out, lse = attend(q, k, v)

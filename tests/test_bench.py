@@ -31,3 +31,9 @@ def test_attention_bench_refuses_zero_rounds(capsys):
     with pytest.raises(SystemExit):
         bench.main(["attention", "--seq", "64", "--paths", "static", "--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_attention_bench_with_nothing_to_time_reports_the_skip(capsys):
+    """cuDNN is not on a CPU: the path is skipped, and the rounds have nothing to time."""
+    assert bench.main(["attention", "--seq", "64", "--paths", "cudnn", "--rounds", "2"]) == 0
+    assert "cudnn: skipped" in capsys.readouterr().err

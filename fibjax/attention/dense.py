@@ -7,8 +7,8 @@ differentiating through the softmax, so one chunk's [C, T] scores are alive at a
 of the softmax's intermediates is kept or differentiated. Up to ``unroll_max_len`` tokens the chunks are
 a Python loop and each reads only the keys before its end (the causal triangle: about half the
 work of a [T, T] product); beyond it the chunks go in ``key_segments`` runs, each a ``lax.map``
-(backward: ``lax.scan``) over its chunks reading the keys up to the run's end: with 8 runs,
-9/16 of a [T, T] product at any T, in a program whose size does not grow with T.
+(backward: ``lax.scan``) over its chunks reading the keys up to the run's end: with 8 even runs,
+about 9/16 of a [T, T] product at any T, in a program whose size does not grow with T.
 Measurements: BUILD_NOTES.md, "Dense attention".
 """
 
@@ -93,8 +93,8 @@ def _segments(t: int, chunk: int, unroll: bool, key_segments: int) -> list[tuple
     if unroll:
         return _spans(t, chunk)
     n = t // chunk
-    per = -(-n // key_segments)
-    return [(i * chunk, min(i + per, n) * chunk) for i in range(0, n, per)]
+    bounds = [round(i * n / min(key_segments, n)) * chunk for i in range(min(key_segments, n) + 1)]  # as even as whole chunks allow
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _forward(q_BKGTD: Array, k_BKTD: Array, v_BKTD: Array, chunk: int, unroll: bool, key_segments: int) -> tuple[Array, Array]:
@@ -162,6 +162,8 @@ def dense_attention_xla(
 ):
     """Causal softmax attention [B,T,H,D] (k, v [B,T,K,D]), flash attention's arithmetic in XLA
     (module docstring); ``return_lse`` adds the log-sum-exp [B,T,H] float32."""
+    if query_chunk < 1 or key_segments < 1:
+        raise ValueError(f"query_chunk and key_segments must be >= 1, got {query_chunk}, {key_segments}")
     t = q.shape[1]
     chunk = min(query_chunk, t)
     unroll = t <= unroll_max_len

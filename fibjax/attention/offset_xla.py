@@ -49,10 +49,13 @@ def _rows_up(g_BTKD: Array, d) -> Array:
 
 @jax.custom_vjp
 def _shift(x_BTKD: Array, d) -> Array:
-    """out[:, i] = x[:, i - d] for a static d >= 0, zeros where i < d (those entries are masked).
-    A row gather, and the gather that shifts up for the backward: on CPU both beat a pad and a
-    slice, whose transpose was much of the static path's backward (BUILD_NOTES.md, "Fleet
-    readiness"). A traced shift keeps :func:`_shift_dynamic` (gathers cost it memory)."""
+    """out[:, i] = x[:, i - d] for a distance d >= 0 known at trace time (an int < 2**31), zeros
+    where i < d (those entries are masked). A row gather, and the gather that shifts up for the
+    backward: on CPU both beat a pad and a slice, whose transpose was much of the static path's
+    backward (BUILD_NOTES.md, "Fleet readiness"). d is an operand of the custom VJP (an int32
+    inside it), so the gathers read computed indices; that is the program that was measured.
+    Reverse mode only (no jvp). A traced shift keeps :func:`_shift_dynamic` (gathers cost it
+    memory)."""
     return _rows_down(x_BTKD, d)
 
 

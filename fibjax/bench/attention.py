@@ -189,10 +189,12 @@ def traffic_bytes(case: Case, mode: str) -> int:
 
 def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement};
-    ``progress`` hears one line per path as it finishes. With ``rounds`` > 1 the JAX paths are
-    compiled once and timed in turn, round after round, and each reports the median of its
-    rounds' medians; ratios are the median of the per-round ratios (``timing.ratio``): a load
-    that comes and goes then falls on every path alike."""
+    ``progress`` hears one line per path (external ones as they finish, the JAX ones after the
+    last round). The JAX paths are compiled once and timed in turn, ``rounds`` times, and each
+    reports the median of its rounds' medians; a ratio of two of them is the median of the
+    per-round ratios (``timing.ratio``), so a load that comes and goes falls on both alike.
+    External paths (``torch_sdpa``) are timed once, before the rounds: their ratios are ratios
+    of medians."""
     q, k, v = inputs(case)
     alpha = jnp.float32(case.alpha)
     results, timers = {}, {}
@@ -213,7 +215,7 @@ def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], No
         timers[(name, "fwd")] = Timer(f, q, k, v, alpha)
         timers[(name, "fwd+bwd")] = Timer(forward_backward(f), q, k, v, alpha)
     rounds_ms, order = {key: [] for key in timers}, list(timers)
-    for r in range(rounds):  # each round starts one path later, so no path always follows the same one
+    for r in range(rounds if order else 0):  # each round starts one path later, so no path always follows the same one
         for key in order[r % len(order) :] + order[: r % len(order)]:
             rounds_ms[key].append(timers[key].times(repeats))
     for key, timer in timers.items():
