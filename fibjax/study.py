@@ -319,20 +319,21 @@ def write_results(study: Study, say=print) -> Path | None:
     from fibjax.eval.report import ReportError, build_report
 
     out = Path(study.results)
-    finished = [r for r in study.runs if run_status(study, r).state == "done"]
+    statuses = {r.name: run_status(study, r) for r in study.runs}  # each reads the run's metrics once
+    finished = [r for r in study.runs if statuses[r.name].state == "done"]
     if not finished:
         say("no finished run yet: nothing to report")
         return None
     ref = study.reference if study.reference in {r.name for r in finished} else None
     # a run's extra evaluations (sparse inference, RoPE scaling) are rows of their own, "RUN [tag]"
-    paths = [p for r in finished for p in (study.run_dir(r), *(_extra_eval_path(study.run_dir(r), study.train_config(r).steps, e) for e in r.extra_evals))]
+    paths = [p for r in finished for p in (study.run_dir(r), *(_extra_eval_path(study.run_dir(r), statuses[r.name].steps, e) for e in r.extra_evals))]
     try:
         build_report(paths, out, reference=ref)
     except ReportError as e:
         raise StudyError(f"the report could not be built: {e}") from e
     summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}
     for r in study.runs:
-        s = run_status(study, r)
+        s = statuses[r.name]
         entry = {
             "config": r.config,
             "overrides": study.train_overrides(r),
