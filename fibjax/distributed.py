@@ -4,7 +4,8 @@
 process is one of several, so the same command runs on a laptop and on a pod. In order:
 
 1. ``FIBJAX_COORDINATOR=host:port``, ``FIBJAX_NUM_PROCESSES``, ``FIBJAX_PROCESS_ID`` (what
-   ``launch.train --coordinator/--num-processes/--process-id`` set): explicit.
+   ``--coordinator/--num-processes/--process-id`` of ``launch.train``, ``launch.eval`` and
+   ``launch.passkey`` set): explicit.
 2. SLURM with more than one task (inside ``srun``): JAX reads the scheduler's variables.
 3. A Cloud TPU VM (TPU chips on the PCI bus, or GKE's ``TPU_WORKER_HOSTNAMES``): JAX asks the
    TPU metadata for the workers; run the same command on every worker.

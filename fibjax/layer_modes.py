@@ -53,7 +53,7 @@ class SSAStreams(NamedTuple):
 class DroppedMassProbe(NamedTuple):
     """Evaluation: the layer's own attention, and what it drops against dense attention.
 
-    Records ``dropped_mass`` (the mean over queries and heads of 1 - exp(lse - lse_dense)). With
+    Records ``dropped_mass`` [B] (per sequence, the mean over queries and heads of 1 - exp(lse - lse_dense)). With
     ``per_query``, also per query and head [B,T,H] float32: ``mass``; ``error``, the L2 norm of
     (own output - dense output) over the head dim; and ``bound`` = 2 * mass * max_{j<=i} ||v_j||.
     Paper B's law: with m the dropped mass, o_dense = (1-m) o_own + m o_dropped, so
@@ -65,7 +65,7 @@ class DroppedMassProbe(NamedTuple):
     def __call__(self, attn, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, x_BTD: Array) -> Array:
         out_BTHE, lse_BTH = attn.attend(q_BTHE, k_BTKE, v_BTKE, x_BTD=x_BTD, return_lse=True)
         dense_BTHE, dense_lse_BTH = attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=True)
-        attn.sow(nnx.Intermediate, "dropped_mass", attn_lib.dropped_mass(lse_BTH, dense_lse_BTH))
+        attn.sow(nnx.Intermediate, "dropped_mass", attn_lib.dropped_mass(lse_BTH, dense_lse_BTH, axis=(1, 2)))
         if self.per_query:
             mass_BTH = attn_lib.dropped_mass(lse_BTH, dense_lse_BTH, axis=())
             error_BTH = jnp.linalg.norm(out_BTHE.astype(jnp.float32) - dense_BTHE.astype(jnp.float32), axis=-1)

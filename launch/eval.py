@@ -6,6 +6,10 @@ of every layer; writes RUN/eval/<step>.json and prints a table. ``--attention`` 
 weights under another attention (e.g. ``--attention kind=offset window=8 alpha=staggered``);
 ``--rope`` under another RoPE (e.g. ``--rope scaling=yarn factor=4 original_len=256``, or
 ``--rope theta=40000``), so extrapolation with and without scaling is one command each.
+
+On a pod, run the same command on every host (``--coordinator/--num-processes/--process-id``
+where no scheduler is detected, as for ``launch.train``): the windows are split over every
+device of the job, and process 0 prints and writes the report.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+
+from launch import processes
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
 
@@ -68,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tag", type=_tag, default=None, help="write RUN/eval/<step>-<tag>.json (default: a name made from the settings)")
     parser.add_argument("--dropped-mass", action="store_true", help="also report the attention mass each layer drops against dense attention")
+    processes.add_arguments(parser)
     args = parser.parse_args(argv)
+    processes.apply(parser, args)  # before anything initialises JAX
 
+    from fibjax import distributed
     from fibjax.config import ConfigError
     from fibjax.data import DataError
     from fibjax.eval import runner
@@ -77,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.train.checkpoint import CheckpointError, load_run_config
 
     try:
+        distributed.initialize()
         bad = [item for item in args.data if "=" not in item]
         if bad:
             raise ConfigError(f"--data {bad[0]!r}: expected NAME=DIR[:SOURCE]")
@@ -100,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         print(runner.format_table(e.report))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, EvalError, CheckpointError) as e:
+    except (ConfigError, DataError, EvalError, CheckpointError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(runner.format_table(report))
-    print(f"written: {path}")
+    if distributed.is_main():  # one table per job, not per process
+        print(runner.format_table(report))
+        print(f"written: {path}")
     return 0
 
 

@@ -4,7 +4,8 @@
 
 Writes passkey.json / .csv / .md / .png to DIR (default RUN/eval/passkey-<step>[-<override>])
 and prints the Markdown table. ``--attention`` evaluates the weights under another attention,
-as in ``launch.eval``.
+as in ``launch.eval``. On a pod, run the same command on every host, as for ``launch.eval``: the
+prompts are split over every device of the job, and process 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+from launch import processes
 
 
 def _list(kind):
@@ -29,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per forward pass (default: --trials)")
     parser.add_argument("--out", default=None, help="output directory")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
+    processes.add_arguments(parser)
     args = parser.parse_args(argv)
+    processes.apply(parser, args)  # before anything initialises JAX
 
+    from fibjax import distributed
     from fibjax.config import ConfigError, apply_overrides
     from fibjax.data import DataError, TokenizerError
     from fibjax.eval import passkey, runner
@@ -38,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.train.checkpoint import CheckpointError
 
     try:
+        distributed.initialize()
         run = runner.load_run(args.workdir, args.step)
         tokenizer = runner.run_tokenizer(run)
         if args.attention:
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         result = passkey.passkey_grid(
             model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size, mesh=runner.eval_mesh(run.cfg)
         )
-    except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError) as e:
+    except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError, distributed.DistributedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tag = "-".join(a.replace("=", "_") for a in args.attention)
@@ -62,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         title=f"Passkey retrieval: {run.cfg.name} step {run.step}, trained at {run.cfg.seq_len} ({how})",
     )
     out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
-    paths = passkey.write_passkey_outputs(result, out)
-    print(passkey.format_markdown(result))
-    print(f"written: {', '.join(str(p) for p in paths.values())}")
+    paths = distributed.on_main(lambda: passkey.write_passkey_outputs(result, out), "writing the passkey outputs")
+    if distributed.is_main():  # one table per job, not per process
+        print(passkey.format_markdown(result))
+        print(f"written: {', '.join(str(p) for p in paths.values())}")
     return 0
 
 

@@ -18,9 +18,10 @@ the last step with a checkpoint saved (run the same command to resume).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
+
+from launch import processes
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
 # array or scheduler requeues it (0 would read as finished)
@@ -40,16 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)",
     )
-    parser.add_argument("--coordinator", help="host:port of process 0, for multi-process runs without SLURM or a TPU pod (sets FIBJAX_COORDINATOR)")
-    parser.add_argument("--num-processes", type=int, help="number of processes in the job (sets FIBJAX_NUM_PROCESSES)")
-    parser.add_argument("--process-id", type=int, help="this process's index in [0, num-processes) (sets FIBJAX_PROCESS_ID)")
+    processes.add_arguments(parser)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.attention.window=8 steps=200")
     args = parser.parse_args(argv)
-    flags = {"FIBJAX_COORDINATOR": args.coordinator, "FIBJAX_NUM_PROCESSES": args.num_processes, "FIBJAX_PROCESS_ID": args.process_id}
-    given = {k: v for k, v in flags.items() if v is not None}
-    if given and len(given) < 3:
-        parser.error("--coordinator, --num-processes and --process-id go together")
-    os.environ.update({k: str(v) for k, v in given.items()})  # before anything initialises JAX
+    processes.apply(parser, args)  # before anything initialises JAX
 
     import jax
 
@@ -87,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
     if result.preempted:
         return EXIT_STOPPED
-    # The evaluation is a single-process program (one device, its own checkpoint restore, one
-    # report file); inside a multi-process job it would wait for the others in Orbax's barriers.
+    # In a multi-process job the evaluation is its own command, run like this one on every host
+    # (launch.eval splits the windows over the job's devices; process 0 writes the report).
     if cfg.eval.at_end and not result.preempted and jax.process_count() > 1:
         if jax.process_index() == 0:
-            print(f"eval.at_end skipped in a {jax.process_count()}-process job; run: python -m launch.eval --workdir {workdir}")
+            print(f"eval.at_end skipped in a {jax.process_count()}-process job; run python -m launch.eval --workdir {workdir} the way this job ran")
     elif cfg.eval.at_end and not result.preempted:
         from fibjax.eval import runner
         from fibjax.eval.perplexity import EvalError

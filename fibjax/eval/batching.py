@@ -1,6 +1,9 @@
 """Running a model over many token rows, the one way every evaluation does it: a function of the
 model jitted once per architecture, called on batches of one fixed size (one compile per row
 length), the batches split over a mesh's data axes when there is one.
+
+The mesh may span processes (a pod): every process holds the same rows and parameters, each
+device computes its share of a batch, and every process gets the whole batch's results back.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ def argmax_next(model, tokens_BL: jax.Array) -> jax.Array:
     return jnp.argmax(model(tokens_BL), axis=-1).astype(jnp.int32)
 
 
+def mesh_devices(mesh: jax.sharding.Mesh | None) -> int:
+    """How many devices (of every process) an evaluation ran on: reports record it."""
+    return 1 if mesh is None else mesh.devices.size
+
+
 def batch_shards(mesh: jax.sharding.Mesh | None) -> int:
     return 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
 
@@ -50,9 +58,30 @@ def fixed_batch_size(rows: int, mesh: jax.sharding.Mesh | None) -> int:
     return -(-max(1, rows) // shards) * shards
 
 
+def _global(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same value in every process) as one array laid out by ``sharding``, which may
+    span processes: each process supplies its own devices' slices."""
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _fetch(x: jax.Array) -> np.ndarray:
+    """The whole of ``x`` on this host, also where other processes hold parts of it."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def replicate(params, mesh: jax.sharding.Mesh | None):
     """The parameters on every device of the mesh (data-parallel evaluation), or unchanged."""
-    return params if mesh is None else jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    if mesh is None:
+        return params
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: _global(x, everywhere), params)
 
 
 def in_fixed_batches(fn: RowFn, params, rows_NL: np.ndarray, batch: int, mesh: jax.sharding.Mesh | None = None) -> np.ndarray:
@@ -66,6 +95,6 @@ def in_fixed_batches(fn: RowFn, params, rows_NL: np.ndarray, batch: int, mesh: j
         if real < batch:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - real, axis=0)])
         if mesh is not None:
-            chunk = jax.device_put(chunk, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
-        outs.append(np.asarray(fn(params, chunk))[:real])
+            chunk = _global(chunk, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+        outs.append(_fetch(fn(params, chunk))[:real])
     return np.concatenate(outs)

@@ -24,10 +24,10 @@ POINTS = 256  # scatter points kept per layer
 
 
 def per_query_head(model, tokens_BL1: jax.Array) -> jax.Array:
-    """[3, layers, B, L, H] float32: dropped mass, error norm and bound of every query and head."""
+    """[B, 3, layers, L, H] float32: dropped mass, error norm and bound of every query and head."""
     _, sown = nnx.capture(model, nnx.Intermediate)(tokens_BL1[:, :-1], mode=DroppedMassProbe(per_query=True))
     layers = [sown["blocks"][i]["attn"] for i in range(model.cfg.num_layers)]
-    return jnp.stack([jnp.stack([layer[key][0] for layer in layers]) for key in ("mass", "error", "bound")])
+    return jnp.stack([jnp.stack([layer[key][0] for layer in layers], axis=1) for key in ("mass", "error", "bound")], axis=1)
 
 
 def fit(mass: np.ndarray, error: np.ndarray, bound: np.ndarray) -> dict:
@@ -57,12 +57,13 @@ def fit(mass: np.ndarray, error: np.ndarray, bound: np.ndarray) -> dict:
     }
 
 
-def error_law(model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int) -> list[dict]:
+def error_law(
+    model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int, mesh: jax.sharding.Mesh | None = None
+) -> list[dict]:
     """Per layer: ``fit`` over every query and head of the windows of ``length`` (up to
-    ``max_tokens`` tokens)."""
+    ``max_tokens`` tokens); with a ``mesh``, the windows are split over its data axes."""
     tokens = windows(stream, scored_tokens(len(stream), [length], max_tokens), length)
     fn = batching.on_model(model_cfg, per_query_head)
-    rows = max(1, rows_tokens // length)
-    # [3, layers, N, L, H] -> per layer, per quantity, all queries
-    out = np.concatenate([np.asarray(fn(params, tokens[i : i + rows])) for i in range(0, len(tokens), rows)], axis=2)
-    return [fit(out[0, layer], out[1, layer], out[2, layer]) for layer in range(model_cfg.num_layers)]
+    rows = batching.fixed_batch_size(rows_tokens // length, mesh)
+    out = batching.in_fixed_batches(fn, batching.replicate(params, mesh), tokens, rows, mesh)  # [N, 3, layers, L, H]
+    return [fit(out[:, 0, layer], out[:, 1, layer], out[:, 2, layer]) for layer in range(model_cfg.num_layers)]

@@ -167,6 +167,7 @@ def passkey_grid(
         "token_accuracy": [[grid[(int(n), float(d))]["token_accuracy"] for n in lengths] for d in depths],
         "mean_accuracy": float(np.mean([c["accuracy"] for c in cells])),
         "cells": cells,
+        "devices": batching.mesh_devices(mesh),
     }
 
 

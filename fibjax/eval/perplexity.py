@@ -74,17 +74,18 @@ def evaluate_lengths(
 
 
 def dropped_mass_head(model, tokens_BL1: jax.Array) -> jax.Array:
-    """Dropped attention mass per layer [num_layers]: the mean over queries and heads of
-    1 - exp(lse_pattern - lse_dense) (paper B)."""
+    """Dropped attention mass [B, num_layers]: per sequence and layer, the mean over queries and
+    heads of 1 - exp(lse_pattern - lse_dense) (paper B)."""
     _, sown = nnx.capture(model, nnx.Intermediate)(tokens_BL1[:, :-1], probe_dropped_mass=True)
-    return jnp.stack([sown["blocks"][i]["attn"]["dropped_mass"][0] for i in range(model.cfg.num_layers)])
+    return jnp.stack([sown["blocks"][i]["attn"]["dropped_mass"][0] for i in range(model.cfg.num_layers)], axis=1)
 
 
-def dropped_mass_by_layer(model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int) -> list[float]:
-    """Dropped mass per layer over windows of ``length`` (up to ``max_tokens`` tokens, in equal
-    batches of windows: a remainder smaller than one batch is left out)."""
+def dropped_mass_by_layer(
+    model_cfg: ModelConfig, params, stream: np.ndarray, length: int, *, max_tokens: int, rows_tokens: int, mesh: jax.sharding.Mesh | None = None
+) -> list[float]:
+    """Dropped mass per layer, the mean over every window of ``length`` (up to ``max_tokens``
+    tokens); with a ``mesh``, the windows are split over its data axes as in ``evaluate_lengths``."""
     tokens = windows(stream, scored_tokens(len(stream), [length], max_tokens), length)
-    rows = max(1, min(len(tokens), rows_tokens // length))
     fn = batching.on_model(model_cfg, dropped_mass_head)
-    per_batch = [np.asarray(fn(params, jnp.asarray(tokens[i : i + rows]))) for i in range(0, len(tokens) // rows * rows, rows)]
-    return [float(x) for x in np.mean(per_batch, axis=0)]
+    per_row = batching.in_fixed_batches(fn, batching.replicate(params, mesh), tokens, batching.fixed_batch_size(rows_tokens // length, mesh), mesh)
+    return [float(x) for x in per_row.mean(axis=0)]

@@ -20,10 +20,12 @@ import jax
 import numpy as np
 
 from fibjax import data as data_lib
+from fibjax import distributed
 from fibjax.attention import offsets
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
+from fibjax.eval import batching
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.model import logit_to_alpha
@@ -63,7 +65,9 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
         if chosen not in steps:
             raise EvalError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
         try:
-            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.devices()[0]))
+            # on this process's first device: a pod's processes each restore a copy, and the
+            # evaluation replicates it over the mesh (eval_mesh)
+            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
         except DamagedCheckpoint as e:
             earlier = ckpt.latest_intact_step(before=e.step)
             raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
@@ -149,9 +153,9 @@ def evaluate_run(
         results[name] = [r.as_dict() for r in rows]
         if dropped_mass:
             masses[name] = {
-                str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths
+                str(n): dropped_mass_by_layer(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens, mesh=mesh) for n in lengths
             }
-            laws[name] = {str(n): error_law(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens) for n in lengths}
+            laws[name] = {str(n): error_law(frozen_cfg, frozen_params, stream, n, max_tokens=max_tokens, rows_tokens=rows_tokens, mesh=mesh) for n in lengths}
     check_finite(run, results)
     report = {
         "run": run.cfg.name,
@@ -160,6 +164,7 @@ def evaluate_run(
         "train_seq_len": run.cfg.seq_len,
         "lengths": lengths,
         "max_tokens": max_tokens,
+        "devices": batching.mesh_devices(mesh),  # of every process: the windows were split over them
         "num_layers": model_cfg.num_layers,
         "attention": dataclasses.asdict(model_cfg.attention),
         "attention_override": attention is not None,
@@ -186,15 +191,15 @@ def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[
 
 
 def eval_mesh(cfg: TrainConfig):
-    """The run's mesh over this process's devices when there are several (data parallel over
-    windows), else None (one device)."""
-    if jax.device_count() == 1 or jax.process_count() > 1:
+    """The run's mesh over every device of the job, all processes' (data parallel over windows),
+    or None for one device. Every process reads the same windows; each device scores its share."""
+    if jax.device_count() == 1:
         return None
     from fibjax.config import MeshConfig
     from fibjax.train.sharding import make_mesh
 
     # windows are split over data x fsdp; tensor-parallel evaluation would replicate the work
-    devices = jax.local_devices()
+    devices = jax.devices()
     try:
         return make_mesh(dataclasses.replace(cfg.mesh, tensor=1) if cfg.mesh.tensor != -1 else MeshConfig(), devices)
     except ConfigError:
@@ -316,7 +321,8 @@ def evaluate_workdir(
     rope: list[str] | None = None,
     tag: str | None = None,
 ) -> tuple[dict, Path]:
-    """The whole evaluation of one run directory; returns the report and where it was written.
+    """The whole evaluation of one run directory; returns the report and where it was written
+    (by process 0 of a multi-process job; the others get None).
 
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
     run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
@@ -340,7 +346,7 @@ def evaluate_workdir(
         parts = [a.replace("=", "_") for a in [*(attention_overrides or []), *(f"rope_{r}" for r in rope or [])]] + sorted(f"data_{k}" for k in specs or {})
         parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
         tag = "-".join(p.replace("/", "_") for p in parts)
-    return report, write_report(workdir, report, tag)
+    return report, distributed.on_main(lambda: write_report(workdir, report, tag), "writing the evaluation report")
 
 
 def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
