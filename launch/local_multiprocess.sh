@@ -25,7 +25,7 @@ pids=()
 forward() { kill -TERM "${pids[@]}" 2>/dev/null || true; }
 trap forward TERM INT
 for ((i = 0; i < N; i++)); do
-  XLA_FLAGS="--xla_force_host_platform_device_count=$D" JAX_PLATFORMS=cpu \
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$D" JAX_PLATFORMS=cpu \
     "$PY" -m "$MODULE" --coordinator "127.0.0.1:$PORT" --num-processes "$N" --process-id "$i" "$@" \
     > >(grep --line-buffered -v '^\[Gloo\]') &  # gloo's per-connection lines (stdout) say nothing to a user
   pids+=($!)
