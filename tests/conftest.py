@@ -2,11 +2,10 @@ import getpass
 import os
 import tempfile
 
-# 8 simulated CPU devices for the sharding tests; must be set before JAX initialises. LLVM at
-# its lowest optimisation level: the suite's programs are tiny and compiling them is most of its
-# time (a third less CPU time for test_eval.py); the XLA programs, and so what is computed, are
-# the same. Subprocesses inherit it (local_multiprocess.sh adds its device count after it).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# 8 simulated CPU devices for the sharding tests; must be set before JAX initialises.
+# (--xla_backend_optimization_level=0 was tried: compiling got faster, but the tests that compute
+# ran 2-5x slower and the suite as long as before.)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for every test and every `python -m launch...` subprocess they

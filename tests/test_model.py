@@ -207,7 +207,7 @@ def test_scanned_layers_sow_per_layer_as_the_loop_does():
         _, probe_sown = nnx.capture(model, nnx.Intermediate)(tokens, probe_dropped_mass=True)
         out[scan] = [(ssa_sown["blocks"][i]["attn"]["ssa_align"][0], probe_sown["blocks"][i]["attn"]["dropped_mass"][0]) for i in range(3)]
     chex.assert_trees_all_close(out[True], out[False], atol=1e-6)
-    assert all(float(align) > 0 and float(mass) > 0 for align, mass in out[True])  # block-sparse drops mass at 48 > 2 x 8 tokens
+    assert all(float(align) > 0 and bool(jnp.all(mass > 0)) for align, mass in out[True])  # block-sparse drops mass at 48 > 2 x 8 tokens (per sequence)
 
 
 def test_scanned_program_holds_one_block_whatever_the_depth():
