@@ -1,4 +1,4 @@
-"""Benchmarks, side by side in one run: ``python -m launch.bench {attention,formulations,decode,train} ...``.
+"""Benchmarks, side by side in one run: ``python -m launch.bench {attention,kernels,formulations,decode,train} ...``.
 
 Prints a Markdown table of median times, achieved bandwidth and XLA peak memory, then the
 ratios measured side by side in this one run. ``python -m launch.bench SUB --help`` shows each
@@ -44,6 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=1, help="time the paths in turn this many times (median of the rounds' medians): fair ratios on a shared machine"
     )
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
+    p = sub.add_parser("kernels", help="the Pallas kernels against the XLA path on this platform, then their block sizes timed", **defaults)
+    p.add_argument("--small", action="store_true", help="two small cases and no sweep: the check itself, in interpret mode on CPU")
+    p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="BlockSizes of the comparison (default: BlockSizes())")
+    p.add_argument("--sweep", default="64,64;128,128;128,128,8;32,64", help="candidate BlockSizes for the sweep, ';'-separated BQ,BK[,WARPS,STAGES]")
+    p.add_argument("--sweep-seq", type=int, default=16384, help="sequence length of the sweep (0: no sweep)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="dtype of the sweep")
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats per sweep candidate")
     p = sub.add_parser("formulations", help="the XLA formulations we chose between (the static path; dense attention)", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
@@ -79,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backend={jax.default_backend()} {spec} batch=1 steps={args.steps} params={params}")
         print(decode_bench.table(results, args.context))
         return 0
+    if args.what == "kernels":
+        from fibjax.bench import kernels
+
+        blocks = BlockSizes(*args.pallas_blocks) if args.pallas_blocks else BlockSizes()
+        candidates = [BlockSizes(*_ints(c)) for c in args.sweep.split(";") if c]
+        cases, sweep_seq = (kernels.SMALL_CASES, 0) if args.small else (kernels.CASES, args.sweep_seq)
+        return kernels.run(cases, blocks, sweep_seq, candidates, args.dtype, args.repeats)
     if args.what == "formulations":
         from fibjax.bench import formulations
 

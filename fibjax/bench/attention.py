@@ -148,6 +148,7 @@ RATIOS: list[tuple[str, str]] = [
     ("learned_pallas", "static_pallas"),
     ("static_pallas", "cudnn"),
     ("learned_pallas", "cudnn"),
+    ("static_pallas", "dense"),  # on TPU, dense is JAX's Pallas flash attention (fibjax/attention/fused.py)
 ]
 
 
