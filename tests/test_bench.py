@@ -37,3 +37,26 @@ def test_attention_bench_with_nothing_to_time_reports_the_skip(capsys):
     """cuDNN is not on a CPU: the path is skipped, and the rounds have nothing to time."""
     assert bench.main(["attention", "--seq", "64", "--paths", "cudnn", "--rounds", "2"]) == 0
     assert "cudnn: skipped" in capsys.readouterr().err
+
+
+def test_kernel_check_passes_what_agrees_and_fails_what_does_not(monkeypatch, capsys):
+    """``launch.bench kernels``' verdict, with XLA standing in for the Pallas kernels (the kernels
+    themselves are compared with the oracle in test_pallas.py): an exact copy passes, an output off
+    by more than the float32 tolerance fails (exit status 1), and a kernel that raises is named."""
+    from fibjax.attention.offset_xla import offset_attention_xla
+    from fibjax.bench import kernels
+
+    def pairs(case, blocks):
+        xla = lambda q, k, v, a: offset_attention_xla(q, k, v, distances=(0, 1, 3), return_lse=True)  # noqa: E731
+        off = lambda q, k, v, a: (lambda o: (o[0] + 1e-3, o[1]))(xla(q, k, v, a))  # noqa: E731
+        return {"same": (xla, xla), "off": (off, xla), "broken": (lambda *a: 1 / 0, xla)}
+
+    monkeypatch.setattr(kernels, "_pairs", pairs)
+    case = kernels.KernelCase(16, 2, 1, "float32", head_dim=4, batch=1)
+    assert kernels.run([case], kernels.BlockSizes(), 0, [], "float32", 1) == 1
+    lines = capsys.readouterr().out.splitlines()
+    verdict = {line.split(": ")[0].split()[-1]: line for line in lines if line.startswith("T=16")}
+    assert verdict["same"].endswith("PASS") and "out 0.00e+00" in verdict["same"]
+    assert verdict["off"].endswith("FAIL") and "out 1.00e-03" in verdict["off"]
+    assert "FAILED ZeroDivisionError" in verdict["broken"]
+    assert lines[-1] == "blocks: 128,128,4,2"
