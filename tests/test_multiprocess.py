@@ -157,7 +157,7 @@ def test_two_processes_survive_a_kill_resume_and_match_one_process(tmp_path, dat
     ref, ref_batches = tmp_path / "ref", tmp_path / "ref_batches"
     ref_batches.mkdir()
     cmd = [sys.executable, "-m", "launch.train", "--workdir", str(ref), "--no-progress", *RUN, f"steps={final}", f"data.path={data_dir}"]
-    env = child_env(XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4", FIBJAX_LOG_BATCHES=str(ref_batches))
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", FIBJAX_LOG_BATCHES=str(ref_batches))
     with Job(cmd, tmp_path / "ref.log", env) as job:
         assert job.wait(150) == 0, job.output()[-3000:]
 
