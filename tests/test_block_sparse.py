@@ -231,7 +231,7 @@ def test_dropped_mass_edges():
     np.testing.assert_allclose(np.asarray(rows), [0.0, 1.0, 0.5, 0.0], atol=1e-6)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     b=st.integers(1, 2),
     t=st.integers(1, 60),
