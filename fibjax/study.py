@@ -314,6 +314,20 @@ def restore_recorded(study: Study, say=print) -> list[str]:
     return restored
 
 
+def _summary_of(report: dict) -> dict:
+    """An evaluation report without the error law's scatter points (thousands of numbers per
+    layer, kept in the run's own eval file and drawn from there in error_law.png), so that
+    study.json stays small enough to commit."""
+    law = report.get("error_law")
+    if not law:
+        return report
+
+    def without_points(layers: list[dict]) -> list[dict]:
+        return [{k: v for k, v in layer.items() if k != "points"} for layer in layers]
+
+    return {**report, "error_law": {ds: {n: without_points(layers) for n, layers in by_len.items()} for ds, by_len in law.items()}}
+
+
 def write_results(study: Study, say=print) -> Path | None:
     """The report of every finished run (tables, plots) and study.json in ``study.results``."""
     from fibjax.eval.report import ReportError, build_report
@@ -346,7 +360,7 @@ def write_results(study: Study, say=print) -> Path | None:
         if s.state == "done":
             run_dir = study.run_dir(r)
             evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))
-            entry["evals"] = {p.name: json.loads(p.read_text()) for p in evals}
+            entry["evals"] = {p.name: _summary_of(json.loads(p.read_text())) for p in evals}
             rows = _metrics(run_dir)
             entry["val_curve"] = [r_ for r_ in rows if any(k.startswith("val/") for k in r_)]
             entry["train_curve"] = [{k: r_[k] for k in ("step", "loss", "ce") if k in r_} for r_ in rows if "loss" in r_ and r_["step"] % 10 == 0]

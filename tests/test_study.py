@@ -138,3 +138,13 @@ def test_launch_study_end_to_end(tmp_path):
     assert again.returncode == 0 and "[dense] done" in again.stdout and "[fib] done" in again.stdout and "training" not in again.stdout
     status = subprocess.run([*cmd, "--status"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "2/2 done" in status.stdout
+
+
+def test_the_summary_keeps_the_error_law_fit_and_drops_its_scatter_points():
+    from fibjax.study import _summary_of
+
+    fit = {"slope": 0.36, "r2": 0.78, "queries": 4}
+    report = {"step": 9, "error_law": {"fineweb": {"256": [{**fit, "points": {"mass": [0.1, 0.2], "error": [0.0, 0.1]}}]}}}
+    assert _summary_of(report) == {"step": 9, "error_law": {"fineweb": {"256": [fit]}}}
+    assert "points" in report["error_law"]["fineweb"]["256"][0]  # the run's own report is untouched
+    assert _summary_of({"step": 9}) == {"step": 9}
