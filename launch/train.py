@@ -72,22 +72,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     eval_file = workdir / "eval" / f"{result.final_step}.json"
-    if result.already_done and (eval_file.exists() or not cfg.eval.at_end or jax.process_count() > 1):
+    say = print if jax.process_index() == 0 else (lambda *a, **k: None)  # one line per job, not per process
+    if result.already_done and (eval_file.exists() or not cfg.eval.at_end):
         where = f"its evaluation table: {eval_file}" if eval_file.exists() else f"evaluate it with: python -m launch.eval --workdir {workdir}"
-        print(f"nothing to do: {workdir} is complete at step {result.final_step}; {where}")
+        say(f"nothing to do: {workdir} is complete at step {result.final_step}; {where}")
         return 0
     if result.already_done:
-        print(f"{workdir} is complete at step {result.final_step} but has no {eval_file} yet: evaluating it")
-    elif jax.process_index() == 0:  # one line per job, not per process
-        print(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
+        say(f"{workdir} is complete at step {result.final_step} but has no {eval_file} yet: evaluating it")
+    else:
+        say(f"{'stopped' if result.preempted else 'finished'} at step {result.final_step}; run directory: {workdir}")
     if result.preempted:
         return EXIT_STOPPED
-    # In a multi-process job the evaluation is its own command, run like this one on every host
-    # (launch.eval splits the windows over the job's devices; process 0 writes the report).
-    if cfg.eval.at_end and not result.preempted and jax.process_count() > 1:
-        if jax.process_index() == 0:
-            print(f"eval.at_end skipped in a {jax.process_count()}-process job; run python -m launch.eval --workdir {workdir} the way this job ran")
-    elif cfg.eval.at_end and not result.preempted:
+    # Every process evaluates: the windows split over the job's devices, as in launch.eval, and
+    # process 0 alone writes the report and prints the table.
+    if cfg.eval.at_end and not result.preempted:
         from fibjax.eval import runner
         from fibjax.eval.perplexity import EvalError
 
@@ -100,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         except (EvalError, DataError, CheckpointError) as e:  # training succeeded; say why its evaluation could not run
             print(f"error: the end-of-run evaluation failed: {e} The run itself is complete in {workdir}.", file=sys.stderr)
             return 2
-        print(runner.format_table(report))
-        print(f"written: {path}")
+        say(runner.format_table(report))
+        say(f"written: {path}")
     return 0
 
 

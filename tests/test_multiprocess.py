@@ -209,17 +209,15 @@ def test_peers_that_never_connect_are_a_clear_error(tmp_path, data_dir):
 
 
 def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
-    """launch.eval (perplexity, dropped mass, error law) and launch.passkey as 2-process jobs: the
-    windows and prompts split over the job's 4 devices, process 0 alone prints and writes, and
-    the numbers are one device's (computed here with no mesh)."""
-    from fibjax.config import TrainConfig, apply_overrides
+    """A 2-process training job's end-of-run evaluation, launch.eval (perplexity, dropped mass,
+    error law) and launch.passkey as 2-process jobs: the windows and prompts split over the job's
+    4 devices, process 0 alone prints and writes, and the numbers are one device's (computed here
+    with no mesh)."""
     from fibjax.eval import passkey, runner
     from fibjax.eval.error_law import error_law
     from fibjax.eval.perplexity import dropped_mass_by_layer, evaluate_lengths
-    from fibjax.train.loop import train
 
     work = tmp_path / "run"
-    train(apply_overrides(TrainConfig(), [*TINY, "steps=3", "eval.at_end=false", f"data.path={data_dir}"]), work, progress=False)
     lengths, tokens = [32, 64], 1024
 
     def job(module, *args):
@@ -229,17 +227,20 @@ def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
         assert rc == 0, out[-3000:]
         return out
 
-    out = job("launch.eval", "--lengths", "32,64", "--max-tokens", str(tokens), "--dropped-mass", "--tag", "mp")
-    assert out.count("written: ") == 1 and out.count("| python_docs | 64 |") == 1, out[-3000:]  # process 0 alone reports
-    report = json.loads((work / "eval" / "3-mp.json").read_text())
-    assert report["devices"] == 4  # split over both processes' devices, not evaluated twice
+    run_args = [*TINY, "steps=3", "eval.at_end=true", f"eval.max_tokens={tokens}", "eval.length_multipliers=(1,2)", f"data.path={data_dir}"]
+    trained = job("launch.train", "--no-progress", *run_args)
+    evaluated = job("launch.eval", "--lengths", "32,64", "--max-tokens", str(tokens), "--dropped-mass", "--tag", "mp")
     run = runner.load_run(work)
     stream = runner.dataset_streams(run, None)["python_docs"]
     one = evaluate_lengths(run.cfg.model, run.params, stream, lengths, max_tokens=tokens, rows_tokens=run.cfg.eval.batch_size * run.cfg.seq_len)
-    rows = report["datasets"]["python_docs"]
-    assert [r["tokens"] for r in rows] == [r.tokens for r in one]
-    np.testing.assert_allclose([r["nll"] for r in rows], [r.nll for r in one], rtol=1e-6)
-    np.testing.assert_allclose([r["bin_nll"] for r in rows], [r.bin_nll for r in one], rtol=1e-6)
+    for out, name in ((trained, "3.json"), (evaluated, "3-mp.json")):
+        assert out.count("written: ") == 1 and out.count("| python_docs | 64 |") == 1, out[-3000:]  # process 0 alone reports
+        report = json.loads((work / "eval" / name).read_text())
+        assert report["devices"] == 4  # split over both processes' devices, not evaluated twice
+        rows = report["datasets"]["python_docs"]
+        assert [r["tokens"] for r in rows] == [r.tokens for r in one]
+        np.testing.assert_allclose([r["nll"] for r in rows], [r.nll for r in one], rtol=1e-6)
+        np.testing.assert_allclose([r["bin_nll"] for r in rows], [r.bin_nll for r in one], rtol=1e-6)
     for n in lengths:
         mass = dropped_mass_by_layer(run.cfg.model, run.params, stream, n, max_tokens=tokens, rows_tokens=96)
         np.testing.assert_allclose(report["dropped_mass"]["python_docs"][str(n)], mass, rtol=1e-5, atol=1e-7)
