@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fibjax.attention import attended_distances, dense_attention, interpolated_attention, offset_attention
 from fibjax.attention.dense import dense_attention_xla
 from tests import oracle
+from tests.tiers import first_fast, slow
 
 KEY = jax.random.PRNGKey(0)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -60,7 +61,7 @@ def test_window_covering_everything_is_dense():
     _close(learned, dense_attention(q, k, v), oracle.TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", first_fast(DTYPES))
 def test_dense_matches_oracle_including_chunked(dtype):
     """One chunk, unrolled chunks (ragged last chunk included) and mapped chunks (padded; in runs
     that each read the keys up to their end): the output, the lse, and the custom backward's
@@ -92,7 +93,7 @@ def test_dense_matches_oracle_including_chunked(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("alpha", [1.0, 0.5, 0.73, 1.21, 1.4999])
+@pytest.mark.parametrize("alpha", first_fast([1.0, 0.73, 0.5, 1.21, 1.4999], keep=2))
 @pytest.mark.parametrize("base", ["fibonacci", "pow2"])
 def test_learned_matches_oracle(dtype, alpha, base):
     """Both forms of alpha: an array (traced in training) and a Python float (frozen: the rungs
@@ -230,6 +231,7 @@ def test_rows_without_keys_are_zero_with_minus_inf_lse():
     assert np.all(np.isfinite(np.asarray(g)))
 
 
+@slow
 @settings(max_examples=5, deadline=None)
 @given(
     b=st.integers(1, 2),

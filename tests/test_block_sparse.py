@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from fibjax.attention import dense_attention
 from fibjax.attention.block_sparse import block_sparse_attention, block_sparse_attention_xla, dropped_mass, select_blocks
 from tests import block_oracle as bo
+from tests.tiers import slow
 
 KEY = jax.random.PRNGKey(0)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -231,6 +232,7 @@ def test_dropped_mass_edges():
     np.testing.assert_allclose(np.asarray(rows), [0.0, 1.0, 0.5, 0.0], atol=1e-6)
 
 
+@slow
 @settings(max_examples=4, deadline=None)
 @given(
     b=st.integers(1, 2),

@@ -22,6 +22,7 @@ from fibjax.decode import GREEDY, Decoder, Sampler, TextStreamer, plan_layers, t
 from fibjax.decode import run as run_lib
 from fibjax.model import Transformer
 from launch import sample
+from tests.tiers import first_fast
 
 TOL = {"float32": 1e-4, "bfloat16": 0.05}
 
@@ -65,7 +66,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", first_fast(list(CASES), keep=3))
 def test_cached_logits_equal_the_full_forward(name):
     attention, layers, capacity, prompt = CASES[name]
     attention = dict(attention)  # a copy: popping "dtype" from CASES itself would run a rerun in float32
@@ -78,7 +79,7 @@ def test_cached_logits_equal_the_full_forward(name):
     np.testing.assert_allclose(cached, full, atol=TOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("base,capacity,prompt,alphas", [("fibonacci", 880, 820, [0.73, 1.37]), ("pow2", 200, 150, [0.73])])
+@pytest.mark.parametrize("base,capacity,prompt,alphas", first_fast([("fibonacci", 880, 820, [0.73, 1.37]), ("pow2", 200, 150, [0.73])], unpack=True))
 def test_learned_path_at_non_integer_alpha(base, capacity, prompt, alphas):
     """Every rung interpolates between lo and lo + 1 (frac != 0); 0.73 x 987 = 720.5, 1.37 x 610 = 835.7."""
     model = with_alphas(Transformer(tiny(len(alphas), kind="offset", alpha="learned", base=base, window=3), rngs=nnx.Rngs(0)), alphas)
@@ -288,7 +289,7 @@ def test_sample_refuses_a_checkpoint_without_its_tokenizer(run_dir, capsys, tmp_
     assert rc == 2 and "has no tokenizer" in err
 
 
-@pytest.mark.parametrize("block_size, num_blocks, capacity, prompt", [(8, 3, 72, 20), (16, 2, 64, 16), (8, 100, 40, 7)])
+@pytest.mark.parametrize("block_size, num_blocks, capacity, prompt", first_fast([(8, 3, 72, 20), (8, 100, 40, 7), (16, 2, 64, 16)], keep=2, unpack=True))
 def test_block_sparse_cached_logits_equal_the_full_forward(block_size, num_blocks, capacity, prompt):
     """MoBA layers decode from a full cache plus one key sum per completed block; the cached logits
     equal a full forward under the same block-sparse attention (a budget past the blocks = dense)."""
@@ -315,12 +316,16 @@ def _randomise_nsa(model, key):
 
 @pytest.mark.parametrize(
     "attention, capacity, prompt",
-    [
-        (dict(kind="nsa", block_size=8, num_blocks=3, window=3), 72, 20),
-        (dict(kind="nsa", block_size=4, num_blocks=2, window=0), 40, 3),  # a prompt shorter than a block; window = the own key
-        (dict(kind="nsa", block_size=8, num_blocks=100, window=5), 40, 8),  # every earlier block selected
-        (dict(kind="block_sparse", block_size=8, num_blocks=3, block_rank="nsa_prob"), 72, 20),
-    ],
+    first_fast(
+        [
+            (dict(kind="nsa", block_size=8, num_blocks=3, window=3), 72, 20),
+            (dict(kind="nsa", block_size=4, num_blocks=2, window=0), 40, 3),  # a prompt shorter than a block; window = the own key
+            (dict(kind="nsa", block_size=8, num_blocks=100, window=5), 40, 8),  # every earlier block selected
+            (dict(kind="block_sparse", block_size=8, num_blocks=3, block_rank="nsa_prob"), 72, 20),
+        ],
+        keep=2,
+        unpack=True,
+    ),
 )
 def test_nsa_cached_logits_equal_the_full_forward(attention, capacity, prompt):
     """NSA layers decode from a full cache plus each completed block's compressed key and value

@@ -28,6 +28,7 @@ from fibjax.train.checkpoint import SUMS_FILE, Checkpointer, CheckpointError, Da
 from fibjax.train.loop import train
 from fibjax.train.metrics import MetricsError, MetricsWriter, read_metrics
 from tests.test_train_loop import ROOT, TINY, data_dir, train_cmd  # noqa: F401  (data_dir: the shared data fixture)
+from tests.tiers import slow
 
 
 def train_main(capsys, workdir, data, *overrides) -> tuple[int, str]:
@@ -149,7 +150,7 @@ def fill_disk(directory, leave_kib: int) -> None:
         os.posix_fallocate(f.fileno(), 0, max(free, 1))
 
 
-@pytest.mark.slow
+@slow
 def test_a_full_disk_stops_training_at_once_with_one_line_and_keeps_the_last_checkpoint(small_disk, data_dir):  # noqa: F811
     """Once step 300 is saved, the disk is filled but for 200 KiB: room for the metrics, not for
     a checkpoint (~600 KiB with 8 simulated devices). The run stops within a few steps of the

@@ -28,6 +28,7 @@ from fibjax.data.sources import embedded_documents, is_held_out  # noqa: E402
 from fibjax.eval import harness  # noqa: E402
 from fibjax.eval.perplexity import evaluate_lengths  # noqa: E402
 from tests.test_train_loop import ROOT, TINY, data_dir  # noqa: E402, F401  (data_dir: the shared data fixture)
+from tests.tiers import slow  # noqa: E402
 
 # a continuation's loglikelihood (a few tokens, float32), batched and padded vs one unpadded row at
 # a time: measured <= 6e-6
@@ -230,6 +231,7 @@ def test_simple_evaluate_on_a_local_task(lm, log_probs, api_result, local_tasks)
     assert any(generated) and all(isinstance(g, str) and "." not in g for g in generated), generated
 
 
+@slow
 def test_command_line(run_dir, local_tasks, api_result, tmp_path):
     """``python -m fibjax.eval.harness`` takes lm-eval's command line with the model implied (and
     batch_size among the model_args), and scores the task as the Python API does."""

@@ -8,6 +8,7 @@ from flax import nnx
 
 from fibjax.config import ModelConfig
 from fibjax.model import Transformer, chunked_nll
+from tests.tiers import first_fast
 
 
 def _reference_nll(x_BTD, table_VD, targets_BT):
@@ -15,7 +16,7 @@ def _reference_nll(x_BTD, table_VD, targets_BT):
     return -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
 
 
-@pytest.mark.parametrize("t, chunk", [(40, 16), (40, 40), (40, 0), (37, 8), (64, 1)])
+@pytest.mark.parametrize("t, chunk", first_fast([(40, 16), (40, 40), (40, 0), (37, 8), (64, 1)], keep=3, unpack=True))
 def test_chunked_nll_and_gradients_equal_the_full_logits(t, chunk):
     kx, kt, ky = jax.random.split(jax.random.PRNGKey(0), 3)
     x = jax.random.normal(kx, (2, t, 16))

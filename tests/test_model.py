@@ -13,6 +13,7 @@ from fibjax.attention import alpha_to_logit, attended_distances
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig
 from fibjax.model import Transformer, count_params, rope, rope_frequencies
 from tests import oracle
+from tests.tiers import first_fast
 
 
 def tiny(**attention) -> ModelConfig:
@@ -178,7 +179,7 @@ def _loss_and_grads(cfg, tokens, **kw):
     return value, grads
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+@pytest.mark.parametrize("remat", first_fast(["none", "full", "dots"]))
 @pytest.mark.parametrize("name", list(SCAN_ATTENTIONS))
 def test_scanned_layers_compute_the_unrolled_numbers(name, remat):
     """scan_layers (one lax.scan over stacked block parameters) and each remat policy give the

@@ -22,6 +22,7 @@ from fibjax import distributed
 from fibjax.data import prepare_default
 from fibjax.train.metrics import read_metrics
 from tests.test_train_loop import TINY
+from tests.tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "local_multiprocess.sh"
@@ -114,7 +115,7 @@ def fed_rows(batch_dir: Path, process: int) -> dict[int, list[str]]:
     return {step: rows[0] for step, rows in seen.items()}
 
 
-@pytest.mark.slow
+@slow
 def test_two_processes_survive_a_kill_resume_and_match_one_process(tmp_path, data_dir):
     work, batches = tmp_path / "run", tmp_path / "batches"
     batches.mkdir()
@@ -208,6 +209,7 @@ def test_peers_that_never_connect_are_a_clear_error(tmp_path, data_dir):
     assert "distributed start-up failed" in out and "process 0 of 2" in out and "FIBJAX_INIT_TIMEOUT=2 s" in out, out
 
 
+@slow
 def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
     """A 2-process training job's end-of-run evaluation, launch.eval (perplexity, dropped mass,
     error law) and launch.passkey as 2-process jobs: the windows and prompts split over the job's

@@ -21,6 +21,7 @@ from fibjax.attention.nsa import compress_blocks, compressed_attention_xla, nsa_
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, SSAConfig, apply_overrides, load_config_file
 from fibjax.model import SSAStreams, Transformer
 from tests import block_oracle as bo
+from tests.tiers import first_fast
 
 KEY = jax.random.PRNGKey(0)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -57,7 +58,7 @@ def test_compression_matches_loops_and_starts_at_the_block_mean():
     _close(mean, np.asarray(x[:, :24]).reshape(2, 3, 8, 2, 4).mean(axis=2), dict(atol=1e-6, rtol=0))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", first_fast(CASES, keep=2))
 def test_selection_ranks_by_group_summed_compressed_probabilities(case):
     q, k, _, kc, _, _ = _inputs(case)
     block, s = case[5], case[6]
@@ -69,7 +70,7 @@ def test_selection_ranks_by_group_summed_compressed_probabilities(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", first_fast(CASES, keep=2))
 def test_forward_matches_oracle(dtype, case):
     q, k, v, kc, vc, gates = _inputs(case, dtype)
     out, lse = nsa_attention(q, k, v, kc, vc, gates, **_kwargs(case), return_lse=True)
@@ -86,7 +87,7 @@ def _grads(args, w, *, block_size, num_blocks, window, query_chunk=512):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES[:2])
+@pytest.mark.parametrize("case", first_fast(CASES[:2]))
 def test_gradients_match_oracle(dtype, case):
     args = _inputs(case, dtype)
     w = jax.random.normal(jax.random.PRNGKey(1), args[0].shape)
@@ -245,7 +246,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("method", ["nsa", "ssa_nsa"])
+@pytest.mark.parametrize("method", first_fast(["ssa_nsa", "nsa"]))
 def test_short_cpu_runs_learn(method, embedded, tmp_path):
     from fibjax.train.loop import train
     from fibjax.train.metrics import read_metrics
@@ -259,7 +260,7 @@ def test_short_cpu_runs_learn(method, embedded, tmp_path):
     assert all(("align" in r) == (method == "ssa_nsa") for r in rows)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("platform", first_fast(["cuda", "tpu"]))
 def test_paper_shape_initialises_abstractly_and_lowers(platform):
     import dataclasses
 

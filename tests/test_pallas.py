@@ -20,6 +20,7 @@ from fibjax.attention.offset_xla import interpolated_attention_xla, offset_atten
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.pallas import backend as pallas_backend
 from tests import oracle
+from tests.tiers import first_fast, slow
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 KEY = jax.random.PRNGKey(0)
@@ -85,12 +86,13 @@ def _check_static_and_learned(b, t, kv, g, d, window, alpha, base, dtype, block_
                 _close(grads[3], other[2][3], dict(atol=ALPHA_RTOL[dtype] * scale * t, rtol=ALPHA_RTOL[dtype]))
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("dtype", first_fast([F32, BF16]))
 def test_ragged_gqa_matches_xla_and_oracle(dtype):
     """45 tokens in blocks of 16 (a ragged last block), 3 query heads per KV head."""
     _check_static_and_learned(2, 45, 2, 3, 8, 3, 0.87, "fibonacci", dtype, BlockSizes(16, 8), seed=0)
 
 
+@slow
 @settings(max_examples=4, deadline=None)
 @given(
     b=st.integers(1, 2),

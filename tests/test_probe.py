@@ -16,6 +16,7 @@ from fibjax.probe.cell import CellSpec, run_cell
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, bigram_starts, forced_choice_correct, marked_batch, marked_correct, retrieval_batch
 from fibjax.train import sharding, step
 from launch import probe as probe_cli
+from tests.tiers import slow
 
 VOCAB = Vocab(filler=40, keys=12, values=12)
 
@@ -191,6 +192,7 @@ def test_a_dense_model_learns_retrieval_in_the_smoke_cell(smoke_cell):
     assert record["alpha_init"] == record["alpha_final"] == [] and not record["learned"]
 
 
+@slow
 def test_grid_skips_done_cells_and_the_report_covers_learned_and_marked(smoke_cell, tmp_path, monkeypatch):
     out, _ = smoke_cell
     opts = grid.GridOptions(

@@ -11,6 +11,7 @@ from matplotlib.image import imread
 
 from fibjax.eval import report as rep
 from launch import report as launch_report
+from tests.tiers import slow
 
 # The paper's length table (FineWeb, T = 1024 / 2048 / 4096) and posloss row (fixed minus stagger, W=8).
 STAGGER_PPL = [42.02, 41.65, 41.45]
@@ -259,7 +260,7 @@ def test_cli_prints_tables_and_paths(runs, tmp_path, capsys):
     assert str(out / "report.md") in text and str(out / "extrap.csv") in text and ".png" not in text
 
 
-@pytest.mark.slow
+@slow
 def test_report_on_two_tiny_trained_runs(tmp_path):
     from pathlib import Path
 

@@ -10,8 +10,10 @@ from fibjax.attention import attended_distances, interpolated_attention, offset_
 from fibjax.config import MeshConfig
 from fibjax.train.sharding import make_mesh
 from tests import oracle
+from tests.tiers import slow
 
 
+@slow
 def test_pallas_per_shard_equals_the_unsharded_xla_path():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     q, k, v = oracle.random_qkv(jax.random.PRNGKey(0), 4, 40, 4, 2, 8)

@@ -16,6 +16,7 @@ from fibjax.train import step
 from fibjax.train.loop import train
 from fibjax.train.metrics import read_metrics
 from tests.test_train_step import EIGHT, check_sharded_as_the_rules_say, lower_on_eight_devices
+from tests.tiers import first_fast
 
 
 def test_alignment_terms_on_a_hand_built_case():
@@ -41,7 +42,7 @@ def tiny_model(kind="dense"):
     )
 
 
-@pytest.mark.parametrize("sparse_kind", ["block_sparse", "offset"])
+@pytest.mark.parametrize("sparse_kind", first_fast(["offset", "block_sparse"]))
 def test_two_stream_layers_pass_on_only_the_chosen_stream(sparse_kind):
     tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 48), 0, 64)
     dense_model = Transformer(tiny_model("dense"), rngs=nnx.Rngs(0))
@@ -92,7 +93,7 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("method", ["fullattn", "moba", "ssa", "ssa_fib"])
+@pytest.mark.parametrize("method", first_fast(["ssa", "fullattn", "moba", "ssa_fib"]))
 def test_short_cpu_runs_learn_and_log_alignment(method, embedded, tmp_path):
     cfg = apply_overrides(ssa_cpu(method), [*SMALL, f"data.path={embedded}", "data.weights="])
     result = train(cfg, tmp_path / method, progress=False)
@@ -115,7 +116,7 @@ def test_stream_choice_is_reproducible(embedded, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["ssa", "moba"])
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("platform", first_fast(["cuda", "tpu"]))
 def test_paper_shape_initialises_abstractly_and_lowers(method, platform):
     """The Llama-3.2-1B shape at 8k tokens, lowered on 8 devices (data 2 x fsdp 2 x tensor 2):
     sharded by the rules, with SSA's alignment term beside the loss."""

@@ -12,6 +12,7 @@ import pytest
 from fibjax.config import ConfigError
 from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, write_results
 from tests.test_report import ATTN, TINY_RUN, rows_for
+from tests.tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -113,7 +114,7 @@ def test_a_runs_extra_evaluations_are_rows_of_the_report(tmp_path):
     assert set(json.loads((Path(study.results) / "study.json").read_text())["runs"]["dense"]["evals"]) == {"100.json", "100-study-inference-mode_sparse.json"}
 
 
-@pytest.mark.slow
+@slow
 def test_launch_study_end_to_end(tmp_path):
     """Two tiny runs through `python -m launch.study`: trained and evaluated as child commands, the
     report written; run again, both are skipped; --status says done."""

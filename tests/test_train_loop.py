@@ -17,6 +17,7 @@ import pytest
 
 from fibjax.data import prepare_default
 from fibjax.train.metrics import read_metrics
+from tests.tiers import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = [
@@ -67,6 +68,7 @@ def test_exact_resume_after_sigkill(tmp_path, data_dir):
     assert straight[-1][1] < straight[0][1]
 
 
+@slow
 def test_sigterm_saves_and_exits_3_then_resumes_to_the_end(tmp_path, data_dir):
     """Stopped by SIGTERM before its last step, a run saves and exits 3 (not done: a scheduler
     requeues it; 0 would read as finished); the same command then trains to the last step."""

@@ -14,6 +14,7 @@ from fibjax.model import Transformer, alpha_mask
 from fibjax.recipes import MATRIX, attention, paper
 from fibjax.train import sharding, step
 from fibjax.train.optimizer import decay_mask, lr_schedule
+from tests.tiers import first_fast
 
 
 def tiny_cfg(**kw) -> TrainConfig:
@@ -154,7 +155,7 @@ def lower_on_eight_devices(cfg: TrainConfig, platform: str | None = None):
     return trainer, lowered, batch
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("platform", first_fast(["cuda", "tpu"]))
 def test_paper_size_step_lowers_for_accelerators(platform):
     """The 60M model at seq 1024, batch 32, on 8 devices, initialised abstractly.
 
