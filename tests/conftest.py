@@ -3,9 +3,10 @@ import os
 import tempfile
 
 # 8 simulated CPU devices for the sharding tests; must be set before JAX initialises.
-# (--xla_backend_optimization_level=0 was tried: compiling got faster, but the tests that compute
-# ran 2-5x slower and the suite as long as before.)
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM optimisation level 1 instead of the default: the suite mostly compiles small programs once,
+# and the fast tier took 14:13 instead of 16:23 (user time -15%) with no test slower than noise;
+# level 0 made the tests that compute 2-5x slower. Subprocesses inherit both flags.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # One persistent compilation cache for every test and every `python -m launch...` subprocess they

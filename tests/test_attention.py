@@ -126,7 +126,7 @@ def test_learned_at_alpha_one_equals_static():
         _close(interpolated_attention(q, k, v, window=window, base="fibonacci", alpha=1.0), offset_attention(q, k, v, distances=ds), oracle.TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("x64", first_fast([False, True]))
 def test_learned_gradients_match_oracle(x64):
     """float64: exact to rounding. float32: the alpha gradient is a sum with heavy cancellation
     (0.126 from terms of order 1), so it gets an absolute tolerance of 1e-3."""

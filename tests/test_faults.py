@@ -27,18 +27,8 @@ from fibjax.train import metrics as metrics_lib
 from fibjax.train.checkpoint import SUMS_FILE, Checkpointer, CheckpointError, DamagedCheckpoint
 from fibjax.train.loop import train
 from fibjax.train.metrics import MetricsError, MetricsWriter, read_metrics
-from tests.test_train_loop import ROOT, TINY, data_dir, train_cmd  # noqa: F401  (data_dir: the shared data fixture)
+from tests.test_train_loop import ROOT, TINY, data_dir, train_cmd, train_main  # noqa: F401  (data_dir: the shared data fixture)
 from tests.tiers import slow
-
-
-def train_main(capsys, workdir, data, *overrides) -> tuple[int, str]:
-    """``python -m launch.train`` in this process (no interpreter start and JAX import per run):
-    its exit code and everything it printed."""
-    from launch.train import main
-
-    rc = main(["--workdir", str(workdir), "--no-progress", *TINY, f"data.path={data}", *overrides])
-    captured = capsys.readouterr()
-    return rc, captured.out + captured.err
 
 
 def error_lines(out: str) -> list[str]:

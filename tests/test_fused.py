@@ -11,7 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fibjax.attention import dense_attention, fused
 from tests import oracle
-from tests.tiers import first_fast
+from tests.tiers import slow
 
 KEY = jax.random.PRNGKey(3)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -40,7 +40,8 @@ def test_gpu_branch_layout_scale_and_gqa(dtype):
     _check(lambda q, k, v: fused.gpu_attention(q, k, v, implementation="xla"), q, k, v, dtype)
 
 
-@pytest.mark.parametrize("dtype", first_fast(DTYPES))
+@slow
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tpu_branch_in_interpret_mode(dtype):
     q, k, v = oracle.random_qkv(KEY, 1, 256, 4, 2, 64, dtype)
     with pltpu.force_tpu_interpret_mode():

@@ -111,6 +111,7 @@ def greedy_by_full_forwards(lm, log_probs, prompt, new_tokens):
     return lm.tok.decode(ids)[len(lm.tok.decode(prompt)) :]
 
 
+@slow
 def test_generate_until_is_greedy_and_stops(lm, log_probs):
     short = " ".join(held_out_sentences()[0][:4])
     long = " ".join(" ".join(w) for w in held_out_sentences()[1:3])

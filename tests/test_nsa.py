@@ -21,7 +21,7 @@ from fibjax.attention.nsa import compress_blocks, compressed_attention_xla, nsa_
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, SSAConfig, apply_overrides, load_config_file
 from fibjax.model import SSAStreams, Transformer
 from tests import block_oracle as bo
-from tests.tiers import first_fast
+from tests.tiers import first_fast, slow
 
 KEY = jax.random.PRNGKey(0)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -246,7 +246,8 @@ SMALL = [
 ]
 
 
-@pytest.mark.parametrize("method", first_fast(["ssa_nsa", "nsa"]))
+@slow
+@pytest.mark.parametrize("method", ["nsa", "ssa_nsa"])
 def test_short_cpu_runs_learn(method, embedded, tmp_path):
     from fibjax.train.loop import train
     from fibjax.train.metrics import read_metrics

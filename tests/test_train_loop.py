@@ -1,7 +1,8 @@
 """The training loop end to end: exact resume after SIGKILL, preemption, bad inputs, NaN.
 
-Runs go through ``python -m launch.train`` in subprocesses, as a user would run them. The
-tiny model trains on a small prepared dataset shared by the tests of this module.
+Runs go through ``python -m launch.train``: in subprocesses where a test kills or signals the
+process, else its ``main`` in this process (``train_main``: no interpreter start and JAX import per
+run). The tiny model trains on a small prepared dataset shared by the tests of this module.
 """
 
 import json
@@ -50,6 +51,16 @@ def train_cmd(workdir, data_dir, *overrides, env=None, wait=True):
     return proc.returncode, out
 
 
+def train_main(capsys, workdir, data, *overrides) -> tuple[int, str]:
+    """``python -m launch.train`` in this process (no interpreter start and JAX import per run):
+    its exit code and everything it printed."""
+    from launch.train import main
+
+    rc = main(["--workdir", str(workdir), "--no-progress", *TINY, f"data.path={data}", *overrides])
+    captured = capsys.readouterr()
+    return rc, captured.out + captured.err
+
+
 def losses(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
@@ -88,26 +99,26 @@ def test_sigterm_saves_and_exits_3_then_resumes_to_the_end(tmp_path, data_dir):
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == list(range(1, steps + 1))
 
 
-def test_bad_inputs_are_clear_errors_and_overwrite_nothing(tmp_path, data_dir):
-    rc, out = train_cmd(tmp_path / "a", tmp_path / "no_such_dir", "steps=2")
+def test_bad_inputs_are_clear_errors_and_overwrite_nothing(tmp_path, data_dir, capsys):
+    rc, out = train_main(capsys, tmp_path / "a", tmp_path / "no_such_dir", "steps=2")
     assert rc == 2 and "does not exist" in out
-    rc, out = train_cmd(tmp_path / "b", data_dir, "steps=2", "model.attention.window=-3")
+    rc, out = train_main(capsys, tmp_path / "b", data_dir, "steps=2", "model.attention.window=-3")
     assert rc == 2 and "window" in out
-    rc, out = train_cmd(tmp_path / "b", data_dir, "steps=2", "model.attention.windw=3")
+    rc, out = train_main(capsys, tmp_path / "b", data_dir, "steps=2", "model.attention.windw=3")
     assert rc == 2 and "windw" in out
-    rc, out = train_cmd(tmp_path / "c", data_dir, "steps=2")
+    rc, out = train_main(capsys, tmp_path / "c", data_dir, "steps=2")
     assert rc == 0, out
     before = (tmp_path / "c" / "config.json").read_text()
-    rc, out = train_cmd(tmp_path / "c", data_dir, "steps=2", "model.d_model=64")
+    rc, out = train_main(capsys, tmp_path / "c", data_dir, "steps=2", "model.d_model=64")
     assert rc == 2 and "different config" in out and "model.d_model" in out
     assert (tmp_path / "c" / "config.json").read_text() == before
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("mine")
-    rc, out = train_cmd(tmp_path / "d", data_dir, "steps=2")
+    rc, out = train_main(capsys, tmp_path / "d", data_dir, "steps=2")
     assert rc == 2 and "not empty" in out and (tmp_path / "d" / "notes.txt").read_text() == "mine"
 
 
-def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir):
+def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir, capsys):
     import shutil
 
     bad = tmp_path / "bad"
@@ -115,22 +126,22 @@ def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir):
     meta = json.loads((bad / "meta.json").read_text())
     train_bin = bad / next(iter(meta["sources"].values()))["train"]["file"]
     train_bin.write_bytes(train_bin.read_bytes()[:-3])
-    rc, out = train_cmd(tmp_path / "r1", bad, "steps=2")
+    rc, out = train_main(capsys, tmp_path / "r1", bad, "steps=2")
     assert rc == 2 and "corrupt" in out
     shutil.rmtree(bad)
     shutil.copytree(data_dir, bad)
     (bad / "tokenizer.model").write_bytes((bad / "tokenizer.model").read_bytes() + b"x")
-    rc, out = train_cmd(tmp_path / "r2", bad, "steps=2")
+    rc, out = train_main(capsys, tmp_path / "r2", bad, "steps=2")
     assert rc == 2 and "tokenizer mismatch" in out
 
 
-def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, capsys):
     """lr 1e30 makes step 2's gradient NaN; with a save after every step, step 1's checkpoint
     must be on disk, intact and finite, and nothing after it."""
     from fibjax.train import sharding, step
     from fibjax.train.checkpoint import Checkpointer, load_run_config
 
-    rc, out = train_cmd(tmp_path / "nan", data_dir, "steps=10", "checkpoint.every_steps=1", "optim.lr=1e30", "optim.clip_norm=1e30")
+    rc, out = train_main(capsys, tmp_path / "nan", data_dir, "steps=10", "checkpoint.every_steps=1", "optim.lr=1e30", "optim.clip_norm=1e30")
     assert rc == 2 and "the run is stopped" in out, out
     rows = read_metrics(tmp_path / "nan")
     assert rows and all(np.isfinite(r["loss"]) for r in rows)
@@ -182,18 +193,18 @@ def test_loss_falls_on_real_text(tmp_path):
     assert last < first - 1.0, (first, last)
 
 
-def test_a_save_interrupted_half_way_leaves_the_previous_checkpoint_usable(tmp_path, data_dir):
+def test_a_save_interrupted_half_way_leaves_the_previous_checkpoint_usable(tmp_path, data_dir, capsys):
     """Orbax writes a step into '<step>.orbax-checkpoint-tmp-*' and renames it when complete: a
     half-written step (as a kill mid-save leaves it) is ignored and the run resumes from the last
     complete one, whose files are untouched."""
-    rc, out = train_cmd(tmp_path / "run", data_dir, "steps=4", "checkpoint.every_steps=4")
+    rc, out = train_main(capsys, tmp_path / "run", data_dir, "steps=4", "checkpoint.every_steps=4")
     assert rc == 0, out
     ckpts = tmp_path / "run" / "checkpoints"
     before = {p.relative_to(ckpts): p.read_bytes() for p in (ckpts / "4").rglob("*") if p.is_file()}
     partial = ckpts / "6.orbax-checkpoint-tmp-1234567"
     (partial / "state").mkdir(parents=True)
     (partial / "state" / "garbage").write_bytes(b"\x00half a checkpoint")
-    rc, out = train_cmd(tmp_path / "run", data_dir, "steps=6", "checkpoint.every_steps=4")
+    rc, out = train_main(capsys, tmp_path / "run", data_dir, "steps=6", "checkpoint.every_steps=4")
     assert rc == 0 and "from step 4" in out, out
     assert {p.relative_to(ckpts): p.read_bytes() for p in (ckpts / "4").rglob("*") if p.is_file()} == before
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
