@@ -315,17 +315,20 @@ def restore_recorded(study: Study, say=print) -> list[str]:
 
 
 def _summary_of(report: dict) -> dict:
-    """An evaluation report without the error law's scatter points (thousands of numbers per
-    layer, kept in the run's own eval file and drawn from there in error_law.png), so that
-    study.json stays small enough to commit."""
-    law = report.get("error_law")
-    if not law:
+    """An evaluation report with the error law's scatter points only where the plot draws them
+    (one dataset at one length; the rest stay in the run's own eval file), so that study.json
+    stays small enough to commit and a run restored from it draws the same error_law.png."""
+    from fibjax.eval.error_law import plotted
+
+    where = plotted(report)
+    if where is None:
         return report
 
-    def without_points(layers: list[dict]) -> list[dict]:
-        return [{k: v for k, v in layer.items() if k != "points"} for layer in layers]
+    def layers(dataset: str, length: str, fits: list[dict]) -> list[dict]:
+        return fits if (dataset, length) == where else [{k: v for k, v in fit.items() if k != "points"} for fit in fits]
 
-    return {**report, "error_law": {ds: {n: without_points(layers) for n, layers in by_len.items()} for ds, by_len in law.items()}}
+    law = report["error_law"]
+    return {**report, "error_law": {ds: {n: layers(ds, n, fits) for n, fits in by_len.items()} for ds, by_len in law.items()}}
 
 
 def write_results(study: Study, say=print) -> Path | None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fibjax.config import ConfigError
@@ -141,11 +142,36 @@ def test_launch_study_end_to_end(tmp_path):
     assert "2/2 done" in status.stdout
 
 
-def test_the_summary_keeps_the_error_law_fit_and_drops_its_scatter_points():
+def test_the_summary_keeps_the_error_law_points_only_where_the_plot_draws_them():
     from fibjax.study import _summary_of
 
     fit = {"slope": 0.36, "r2": 0.78, "queries": 4}
-    report = {"step": 9, "error_law": {"fineweb": {"256": [{**fit, "points": {"mass": [0.1, 0.2], "error": [0.0, 0.1]}}]}}}
-    assert _summary_of(report) == {"step": 9, "error_law": {"fineweb": {"256": [fit]}}}
-    assert "points" in report["error_law"]["fineweb"]["256"][0]  # the run's own report is untouched
+    points = {"points": {"mass": [0.1, 0.2], "error": [0.0, 0.1]}}
+    law = {"fineweb": {"128": [{**fit, **points}], "256": [{**fit, **points}]}, "wiki": {"256": [{**fit, **points}]}}
+    report = {"train_seq_len": 256, "error_law": law}
+    assert _summary_of(report)["error_law"] == {"fineweb": {"128": [fit], "256": [{**fit, **points}]}, "wiki": {"256": [fit]}}
+    assert "points" in report["error_law"]["wiki"]["256"][0]  # the run's own report is untouched
+    # not evaluated at the training length: the plot draws the first length, and so keeps it
+    shorter = {"train_seq_len": 512, "error_law": {"fineweb": {"128": [{**fit, **points}], "256": [{**fit, **points}]}}}
+    assert _summary_of(shorter)["error_law"] == {"fineweb": {"128": [{**fit, **points}], "256": [fit]}}
     assert _summary_of({"step": 9}) == {"step": 9}
+
+
+def test_a_run_restored_from_the_summary_draws_the_same_error_law_plot(tmp_path):
+    from fibjax.eval.plots import RunStyle, plot_error_law
+    from fibjax.eval.report import RunEval
+    from fibjax.study import _summary_of
+
+    rng = np.random.default_rng(0)
+
+    def layer(slope):
+        mass = rng.uniform(0, 1, 64)
+        return {"slope": slope, "r2": 0.9, "points": {"mass": mass.tolist(), "error": (slope * mass + rng.normal(0, 0.02, 64)).tolist()}}
+
+    report = {"train_seq_len": 256, "error_law": {ds: {n: [layer(0.3), layer(0.5)] for n in ("256", "512")} for ds in ("fineweb", "wiki")}}
+    style = {"ssa": RunStyle(color="C0", marker="o", linestyle="-")}
+    drawn = []
+    for i, rep in enumerate((report, _summary_of(report))):
+        assert plot_error_law([RunEval("ssa", tmp_path, tmp_path, rep, [])], tmp_path / f"{i}.png", style)
+        drawn.append((tmp_path / f"{i}.png").read_bytes())
+    assert drawn[0] == drawn[1]

@@ -23,6 +23,17 @@ from fibjax.layer_modes import DroppedMassProbe
 POINTS = 256  # scatter points kept per layer
 
 
+def plotted(report: dict) -> tuple[str, str] | None:
+    """The (dataset, length) of a report's error law that the scatter plot draws: the first
+    dataset, at the training length where it was evaluated there, else at its first length."""
+    law = report.get("error_law") or {}
+    dataset, by_length = next(iter(law.items()), (None, {}))
+    if not by_length:
+        return None
+    train_len = str(report.get("train_seq_len"))
+    return dataset, train_len if train_len in by_length else next(iter(by_length))
+
+
 def per_query_head(model, tokens_BL1: jax.Array) -> jax.Array:
     """[B, 3, layers, L, H] float32: dropped mass, error norm and bound of every query and head."""
     _, sown = nnx.capture(model, nnx.Intermediate)(tokens_BL1[:, :-1], mode=DroppedMassProbe(per_query=True))

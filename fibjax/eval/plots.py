@@ -337,12 +337,13 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
 def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     """Paper B's law: per run (one panel each), ||o - o_dense|| against the dropped mass of
     sampled queries of every layer, at the first dataset's training length, with the fitted line."""
+    from fibjax.eval.error_law import plotted
+
     panels = []
     for r in runs:
-        by_length = next(iter(r.report.get("error_law", {}).values()), {})
-        layers = by_length.get(str(r.train_len)) or (next(iter(by_length.values())) if by_length else None)
-        if layers:
-            panels.append((r, layers))
+        where = plotted(r.report)
+        if where and r.report["error_law"][where[0]][where[1]]:
+            panels.append((r, r.report["error_law"][where[0]][where[1]]))
     if not panels:
         return False
     fig, axes = _dataset_panels(len(panels))
