@@ -337,7 +337,7 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
 def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     """Paper B's law: per run (one panel each), ||o - o_dense|| against the dropped mass of
     sampled queries of every layer, at the first dataset's training length, with the fitted line."""
-    from fibjax.eval.error_law import plotted
+    from fibjax.eval.error_law import plotted  # (error_law imports JAX: only this plot needs it)
 
     panels = []
     for r in runs:
