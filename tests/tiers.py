@@ -1,9 +1,9 @@
 """The suite's two tiers.
 
-``python -m pytest -n 2 -m "not slow"`` (the README's command: 13:15 on 2 cores beside a training
-job, a cold compilation cache; the budget is ~10 minutes) runs the
-fast tier: every path against its reference at least once, every command end to end at least
-once. ``-m slow`` runs the rest: more shapes, dtypes and parameters of paths the fast tier already
+``python -m pytest -n 2 -m "not slow"`` (the README's command) runs the fast tier: every path
+against its reference at least once, every command end to end at least once. It took 13:15 on
+2 cores beside a training job, with a cold compilation cache; the budget is ~10 minutes.
+``-m slow`` runs the rest: more shapes, dtypes and parameters of paths the fast tier already
 checks, hypothesis sweeps, and the long fault runs (kills, full disks, 2-process jobs). CI runs
 both tiers.
 """
