@@ -26,7 +26,7 @@ CACHE_LIMIT_BYTES, CACHE_KEEP_BYTES = 2 * 1024**3, 1024**3
 def _trim_cache(directory: str) -> None:
     """Delete the least recently written entries once the cache passes its limit."""
     try:
-        entries = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(directory) if e.is_file()]
+        entries = [(st.st_mtime, st.st_size, e.path) for e in os.scandir(directory) if e.is_file() for st in (e.stat(),)]
     except FileNotFoundError:
         return
     total = sum(size for _, size, _ in entries)

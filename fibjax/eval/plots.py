@@ -342,8 +342,9 @@ def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     panels = []
     for r in runs:
         where = plotted(r.report)
-        if where and r.report["error_law"][where[0]][where[1]]:
-            panels.append((r, r.report["error_law"][where[0]][where[1]]))
+        layers = r.report["error_law"][where[0]][where[1]] if where else None
+        if layers:
+            panels.append((r, layers))
     if not panels:
         return False
     fig, axes = _dataset_panels(len(panels))
