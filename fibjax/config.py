@@ -244,16 +244,19 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axes; -1 fills with the devices left over (at most one axis may be -1)."""
+    """Device mesh axes; -1 fills with the devices left over (at most one axis may be -1).
+    ``devices``: how many devices the mesh takes, the first ones (0: all; a one-process job only)."""
 
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    devices: int = 0
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
         _require(all(s == -1 or s >= 1 for s in sizes), "mesh", "axis sizes must be >= 1 or -1", sizes)
         _require(sizes.count(-1) <= 1, "mesh", "at most one axis may be -1", sizes)
+        _require(self.devices >= 0, "mesh.devices", "must be >= 0 (0: every device)", self.devices)
 
 
 @dataclass(frozen=True)

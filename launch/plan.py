@@ -18,7 +18,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a Python config file with get_config()")
-    parser.add_argument("--devices", type=int, default=None, help="devices of the job (default: the mesh's product; needed when an axis is -1)")
+    parser.add_argument("--devices", type=int, default=None, help="the job's devices (default: mesh.devices, else the mesh's product; needed if an axis is -1)")
     parser.add_argument("--no-compile", action="store_true", help="shapes only: skip compiling the step")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mesh.fsdp=8 global_batch=64")
     args = parser.parse_args(argv)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
-        devices = args.devices or (math.prod(sizes) if -1 not in sizes else None)
+        devices = args.devices or cfg.mesh.devices or (math.prod(sizes) if -1 not in sizes else None)
         if devices is None:
             raise ConfigError(f"mesh: {sizes} has an axis of -1: pass --devices N (the job's device count) or fix every axis")
         if devices < 1:

@@ -29,7 +29,7 @@ SCRIPT = ROOT / "launch" / "local_multiprocess.sh"
 HEARTBEAT_S = 10
 # A constant lr after warm-up (final_lr_ratio=1): a run of steps=1000 stopped at step k follows
 # the same schedule as a 1-process run of steps=k, so their losses compare step by step.
-RUN = [*TINY, "steps=1000", "optim.final_lr_ratio=1.0", "checkpoint.every_steps=4"]
+RUN = [*TINY, "steps=1000", "optim.final_lr_ratio=1.0", "checkpoint.every_steps=4", "mesh.devices=0"]
 # How the survivor of a killed process ends: JAX's runtime, or gloo (CPU collectives) first.
 SURVIVOR_MESSAGES = ("This most likely indicates that another task died", "gloo::EnforceNotMet")
 # Tolerance: float32; the 2-process step sums the loss and gradients across processes (gloo) in
@@ -229,7 +229,7 @@ def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
         assert rc == 0, out[-3000:]
         return out
 
-    run_args = [*TINY, "steps=3", "eval.at_end=true", f"eval.max_tokens={tokens}", "eval.length_multipliers=(1,2)", f"data.path={data_dir}"]
+    run_args = [*TINY, "steps=3", "eval.at_end=true", f"eval.max_tokens={tokens}", "eval.length_multipliers=(1,2)", f"data.path={data_dir}", "mesh.devices=0"]
     trained = job("launch.train", "--no-progress", *run_args)
     evaluated = job("launch.eval", "--lengths", "32,64", "--max-tokens", str(tokens), "--dropped-mass", "--tag", "mp")
     run = runner.load_run(work)

@@ -16,7 +16,7 @@ from tests.test_train_loop import ROOT, TINY
 
 
 def tiny(*overrides):
-    return apply_overrides(load_config_file(ROOT / "configs" / "tiny.py"), [*TINY, *overrides])
+    return apply_overrides(load_config_file(ROOT / "configs" / "tiny.py"), [*TINY, "mesh.devices=0", *overrides])
 
 
 def test_sharded_bytes_match_the_compiled_arguments():

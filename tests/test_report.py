@@ -28,6 +28,7 @@ TINY_RUN = (
     "model.num_kv_heads=1",
     "data.default_vocab_size=384",
     "model.vocab_size=384",
+    "mesh.devices=1",  # as tests.test_train_loop.TINY: one device compiles faster
 )
 ATTN = {
     "kind": "offset",

@@ -32,6 +32,9 @@ TINY = [
     "eval.at_end=false",
     "optim.warmup_steps=2",
     "log_every=1",
+    # one of the 8 simulated devices: a tiny run sharded 8 ways spends its time compiling (4 s more per
+    # run, cold); tests of the sharded loop say mesh.devices=0 (every device)
+    "mesh.devices=1",
 ]
 
 
@@ -65,14 +68,17 @@ def losses(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
 
-def test_exact_resume_after_sigkill(tmp_path, data_dir):
+def test_exact_resume_after_sigkill(tmp_path, data_dir, capsys):
+    """Killed (SIGKILL, in a subprocess) right after its step-n save, a run resumes bit-identically,
+    sharded over all 8 devices. The uninterrupted run and the resumption run in this process."""
     n = 4
-    rc, out = train_cmd(tmp_path / "straight", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}")
+    args = (f"steps={2 * n}", f"checkpoint.every_steps={n}", "mesh.devices=0")
+    rc, out = train_main(capsys, tmp_path / "straight", data_dir, *args)
     assert rc == 0, out
-    rc, out = train_cmd(tmp_path / "crashed", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}", env={"FIBJAX_FAULT_AFTER_SAVE": str(n)})
+    rc, out = train_cmd(tmp_path / "crashed", data_dir, *args, env={"FIBJAX_FAULT_AFTER_SAVE": str(n)})
     assert rc == -signal.SIGKILL, out
     assert [s for s, _ in losses(tmp_path / "crashed")] == list(range(1, n + 1))
-    rc, out = train_cmd(tmp_path / "crashed", data_dir, f"steps={2 * n}", f"checkpoint.every_steps={n}")
+    rc, out = train_main(capsys, tmp_path / "crashed", data_dir, *args)
     assert rc == 0 and f"resuming {tmp_path / 'crashed'} from step {n}" in out, out
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "crashed")
     assert resumed == straight  # bit-identical losses, including the data order after the resume

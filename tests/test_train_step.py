@@ -60,6 +60,22 @@ def test_mesh_shape_fill_and_errors():
         sharding.mesh_shape(MeshConfig(data=-1, fsdp=3), 8)
 
 
+def test_mesh_devices_takes_the_first_n_or_names_the_problem():
+    assert sharding.mesh_devices(MeshConfig()) == jax.devices()
+    assert sharding.mesh_devices(MeshConfig(devices=3)) == jax.devices()[:3]
+    assert sharding.make_mesh(MeshConfig(devices=2)).devices.tolist() == [[[d]] for d in jax.devices()[:2]]
+    with pytest.raises(ValueError, match="mesh.devices=9, but 8 devices are available"):
+        sharding.mesh_devices(MeshConfig(devices=9))
+    with pytest.raises(ValueError, match="mesh.devices"):
+        MeshConfig(devices=-1)
+    # a run evaluates on the devices it trained on
+    from fibjax.eval.runner import eval_mesh
+
+    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=1))) is None
+    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=4))).devices.size == 4
+    assert eval_mesh(TrainConfig()).devices.size == 8
+
+
 def test_optimizer_masks_and_alpha_multiplier():
     params = {"blocks": {0: {"attn": {"alpha_logit": jnp.zeros(()), "q_proj": {"kernel": jnp.zeros((4, 4))}}, "attn_norm": {"scale": jnp.ones(4)}}}}
     assert decay_mask(params)["blocks"][0]["attn"]["q_proj"]["kernel"]

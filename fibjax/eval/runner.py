@@ -191,15 +191,16 @@ def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[
 
 
 def eval_mesh(cfg: TrainConfig):
-    """The run's mesh over every device of the job, all processes' (data parallel over windows),
-    or None for one device. Every process reads the same windows; each device scores its share."""
-    if jax.device_count() == 1:
-        return None
+    """The run's mesh over the devices it trained on (every device of the job, all processes', unless
+    ``mesh.devices`` took fewer), data parallel over windows, or None for one device. Every process
+    reads the same windows; each device scores its share."""
     from fibjax.config import MeshConfig
-    from fibjax.train.sharding import make_mesh
+    from fibjax.train.sharding import make_mesh, mesh_devices
 
+    devices = mesh_devices(cfg.mesh)
+    if len(devices) == 1:
+        return None
     # windows are split over data x fsdp; tensor-parallel evaluation would replicate the work
-    devices = jax.devices()
     try:
         return make_mesh(dataclasses.replace(cfg.mesh, tensor=1) if cfg.mesh.tensor != -1 else MeshConfig(), devices)
     except ConfigError:

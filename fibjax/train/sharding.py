@@ -35,9 +35,21 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
+def mesh_devices(cfg: MeshConfig) -> list:
+    """The devices a mesh of ``cfg`` takes: every device of the job, or its first ``cfg.devices``."""
+    devices = jax.devices()
+    if not cfg.devices:
+        return devices
+    if jax.process_count() > 1:
+        raise ConfigError(f"mesh.devices={cfg.devices}: a job of {jax.process_count()} processes uses every device (mesh.devices=0)")
+    if cfg.devices > len(devices):
+        raise ConfigError(f"mesh.devices={cfg.devices}, but {len(devices)} devices are available")
+    return devices[: cfg.devices]
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     # Auto axes: Explicit ones (jax.make_mesh's default) break NNX embedding lookups (PLATFORM.md).
-    devices = jax.devices() if devices is None else devices
+    devices = mesh_devices(cfg) if devices is None else devices
     shape = mesh_shape(cfg, len(devices))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
