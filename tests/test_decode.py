@@ -240,6 +240,16 @@ def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
     assert decoder.plans[0].kind == "block_sparse"
     np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
 
+    def as_ssa(c):
+        c["model"]["attention"].update(kind="dense")
+        c["ssa"].update(enabled=True, sparse_kind="block_sparse")
+
+    ssa = variant(run_dir, tmp_path / "ssa", as_ssa)  # an SSA run decodes under either stream alone
+    for mode, kind in (("sparse", "block_sparse"), ("full", "dense")):
+        rc, out, err = cli(capsys, "--workdir", ssa, "--prompt", "The for statement", "--max-new-tokens", 4, "--greedy", "--inference-mode", mode)
+        assert rc == 0 and out.startswith("The for statement"), err
+        assert run_lib.load(ssa, attention_overrides=[f"kind={kind}"]).model.cfg.attention.kind == kind
+
 
 def test_trained_run_decodes_like_its_full_forward_past_the_training_length(run_dir):
     """Trained at 32 tokens; a 20-token prompt and 60 new tokens run to 80."""
@@ -342,6 +352,19 @@ def test_nsa_cached_logits_equal_the_full_forward(attention, capacity, prompt):
     if attention["kind"] == "nsa":
         cache = decoder.init_cache(2)
         assert cache[0].kcmp.shape == cache[0].vcmp.shape == (2, cfg.num_kv_heads, -(-capacity // attention["block_size"]), cfg.resolved_head_dim)
+
+
+@pytest.mark.parametrize("capacity, prompt", first_fast([(6, 2), (13, 3)], unpack=True))
+def test_block_layers_decode_a_capacity_of_part_of_a_block(capacity, prompt):
+    """A capacity that is not whole blocks (launch.sample's is prompt + new tokens), below one
+    block too: MoBA and NSA layers slice whole blocks of the cache, so it holds whole blocks."""
+    for attention in (dict(kind="block_sparse", block_size=8, num_blocks=2), dict(kind="nsa", block_size=8, num_blocks=2, window=3)):
+        cfg = tiny(2, **attention)
+        model = Transformer(cfg, rngs=nnx.Rngs(3))
+        tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
+        cached, full, decoder = cached_and_full(model, tokens, prompt)
+        np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
+        assert decoder.plans[0].rows == 16 if capacity > 8 else 8
 
 
 def test_decoder_checks_its_capacity():

@@ -23,7 +23,8 @@ Per layer (``LayerPlan``):
   reachable distance lo_max + 1 (the far neighbour) of that alpha, plus one row of margin
   against a one-ulp difference in alpha between the host plan and the jitted step.
 
-Every buffer is capped at L rows (a buffer of L rows never wraps). Letters: B batch, M cache
+Every buffer is capped at L rows (a buffer of L rows never wraps), except that the block kinds
+round L up to whole blocks (a step reads the whole block of its position). Letters: B batch, M cache
 rows, K KV heads, E head dim, P prompt length.
 """
 
@@ -91,7 +92,8 @@ def _plan_layer(attn, max_len: int) -> LayerPlan:
     if acfg.kind in ("block_sparse", "nsa"):
         top = num_earlier_blocks(max_len, acfg.block_size, acfg.num_blocks)
         rank = "nsa_prob" if acfg.kind == "nsa" else acfg.block_rank
-        return LayerPlan(acfg.kind, max_len, max_len, block_size=acfg.block_size, top=top, window=acfg.window, rank=rank)
+        whole_blocks = -(-max_len // acfg.block_size) * acfg.block_size  # a step slices its position's whole block
+        return LayerPlan(acfg.kind, whole_blocks, max_len, block_size=acfg.block_size, top=top, window=acfg.window, rank=rank)
     if acfg.kind != "offset":
         raise NotImplementedError(f"decoding a {acfg.kind!r} layer is not available (fibjax/decode/cache.py, _plan_layer)")
     if not acfg.is_interpolated:

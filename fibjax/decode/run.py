@@ -63,7 +63,8 @@ def load(workdir: str | Path, step: int | None = None, attention_overrides: list
     params, model_cfg = run.params, cfg.model
     if attention_overrides:
         params, model_cfg = with_attention(run, apply_overrides(cfg.model.attention, attention_overrides))
-        cfg = dataclasses.replace(cfg, model=model_cfg)
+        # SSA's two streams are a way of training: the model decodes under the one attention chosen
+        cfg = dataclasses.replace(cfg, model=model_cfg, ssa=dataclasses.replace(cfg.ssa, enabled=False))
     return SamplingRun(cfg, run.step, nnx.merge(graphdef_of(model_cfg), params), tokenizer)
 
 
