@@ -73,6 +73,7 @@ def test_mesh_devices_takes_the_first_n_or_names_the_problem():
 
     assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=1))) is None
     assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=4))).devices.size == 4
+    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=16))).devices.size == 8  # trained on a larger machine
     assert eval_mesh(TrainConfig()).devices.size == 8
 
 

@@ -195,9 +195,11 @@ def eval_mesh(cfg: TrainConfig):
     ``mesh.devices`` took fewer), data parallel over windows, or None for one device. Every process
     reads the same windows; each device scores its share."""
     from fibjax.config import MeshConfig
-    from fibjax.train.sharding import make_mesh, mesh_devices
+    from fibjax.train.sharding import make_mesh
 
-    devices = mesh_devices(cfg.mesh)
+    devices = jax.devices()
+    if cfg.mesh.devices and jax.process_count() == 1:  # at most as many as it took; a smaller machine uses what it has
+        devices = devices[: cfg.mesh.devices]
     if len(devices) == 1:
         return None
     # windows are split over data x fsdp; tensor-parallel evaluation would replicate the work
