@@ -254,9 +254,9 @@ class MeshConfig:
 
     def __post_init__(self):
         sizes = (self.data, self.fsdp, self.tensor)
-        _require(all(s == -1 or s >= 1 for s in sizes), "mesh", "axis sizes must be >= 1 or -1", sizes)
-        _require(sizes.count(-1) <= 1, "mesh", "at most one axis may be -1", sizes)
-        _require(self.devices >= 0, "mesh.devices", "must be >= 0 (0: every device)", self.devices)
+        _require(all(s == -1 or s >= 1 for s in sizes), "data/fsdp/tensor", "axis sizes must be >= 1 or -1", sizes)
+        _require(sizes.count(-1) <= 1, "data/fsdp/tensor", "at most one axis may be -1", sizes)
+        _require(self.devices >= 0, "devices", "must be >= 0 (0: every device)", self.devices)
 
 
 @dataclass(frozen=True)

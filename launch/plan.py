@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor]
         devices = args.devices or cfg.mesh.devices or (math.prod(sizes) if -1 not in sizes else None)
         if devices is None:
-            raise ConfigError(f"mesh: {sizes} has an axis of -1: pass --devices N (the job's device count) or fix every axis")
+            raise ConfigError(f"mesh: {sizes} has an axis of -1: pass --devices N (the job's device count) or mesh.devices=N, or fix every axis")
         if devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {devices}")
     except ConfigError as e:

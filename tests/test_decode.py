@@ -364,7 +364,7 @@ def test_block_layers_decode_a_capacity_of_part_of_a_block(capacity, prompt):
         tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
         cached, full, decoder = cached_and_full(model, tokens, prompt)
         np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
-        assert decoder.plans[0].rows == 16 if capacity > 8 else 8
+        assert decoder.plans[0].rows == (16 if capacity > 8 else 8)
 
 
 def test_decoder_checks_its_capacity():

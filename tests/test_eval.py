@@ -119,6 +119,30 @@ def test_an_eight_device_mesh_gives_the_nll_of_one_device(runs):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(b.nll, a.nll, rtol=1e-6)
         np.testing.assert_allclose(b.bin_nll, a.bin_nll, rtol=1e-6)
+    # --dropped-mass's two measures too, a dense run under MoBA blocks
+    from fibjax.config import AttentionConfig
+    from fibjax.eval.error_law import error_law
+    from fibjax.eval.perplexity import dropped_mass_by_layer
+
+    dense = runner.load_run(runs["dense"])
+    params, model_cfg = runner.with_attention(dense, AttentionConfig(kind="block_sparse", block_size=8, num_blocks=2))
+    common = (model_cfg, params, stream, 64)
+    kw = dict(max_tokens=1024, rows_tokens=96)
+    np.testing.assert_allclose(dropped_mass_by_layer(*common, **kw, mesh=mesh), dropped_mass_by_layer(*common, **kw), rtol=1e-5, atol=1e-7)
+    laws = [error_law(*common, **kw, mesh=m) for m in (mesh, None)]
+    assert [x["queries"] for x in laws[0]] == [x["queries"] for x in laws[1]]
+    np.testing.assert_allclose([x["slope"] for x in laws[0]], [x["slope"] for x in laws[1]], rtol=1e-5)
+
+
+def test_a_run_evaluates_on_at_most_the_devices_it_took():
+    """mesh.devices=N: evaluation on at most N of this machine's devices (all 8 when 0; a run
+    that took more than this machine has evaluates on what it has)."""
+    from fibjax.config import MeshConfig
+
+    assert runner.eval_mesh(TrainConfig(mesh=MeshConfig(devices=1))) is None
+    assert runner.eval_mesh(TrainConfig(mesh=MeshConfig(devices=4))).devices.size == 4
+    assert runner.eval_mesh(TrainConfig(mesh=MeshConfig(devices=16))).devices.size == 8
+    assert runner.eval_mesh(TrainConfig()).devices.size == 8
 
 
 def test_report_is_written_with_alphas(runs):
@@ -163,6 +187,7 @@ def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     path = runs["dense"] / "eval" / next(p.name for p in (runs["dense"] / "eval").iterdir() if "kind_block_sparse" in p.name)
     report = json.loads(path.read_text())
     assert report["attention"]["kind"] == "block_sparse" and report["attention"]["num_blocks"] == 2 and report["attention"]["block_size"] == 8
+    assert report["devices"] == 1  # the run took one device (TINY's mesh.devices=1)
     masses = report["dropped_mass"]["python_docs"]
     assert all(0 < m < 1 for per_layer in masses.values() for m in per_layer)  # 2 blocks of 8 cannot hold all of 32+ keys
     assert "dropped mass" in out

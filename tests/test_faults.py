@@ -143,7 +143,7 @@ def fill_disk(directory, leave_kib: int) -> None:
 @slow
 def test_a_full_disk_stops_training_at_once_with_one_line_and_keeps_the_last_checkpoint(small_disk, data_dir):  # noqa: F811
     """Once step 300 is saved, the disk is filled but for 200 KiB: room for the metrics, not for
-    a checkpoint (~600 KiB with 8 simulated devices). The run stops within a few steps of the
+    a checkpoint (~600 KiB). The run stops within a few steps of the
     failed save of step 600, not at the next save (900), with one line naming the path and the
     free space, and keeps step 300. Given room, the same command resumes from step 300."""
     disk = small_disk(16 * 1024)

@@ -45,6 +45,8 @@ def test_cli_prints_the_table_and_names_a_missing_device_count():
     assert "data 2 x fsdp 2 x tensor 2 (8 devices)" in out and "| parameters |" in out and "not compiled" in out
     rc, out, err = run_plan("--config", "configs/tiny.py", "mesh.data=-1")
     assert rc == 2 and "pass --devices N" in err, err
+    rc, out, err = run_plan("--config", "configs/tiny.py", "--no-compile", "mesh.data=-1", "mesh.devices=4")
+    assert rc == 0 and "data 4 x fsdp 1 x tensor 1 (4 devices)" in out, err
 
 
 def test_the_sharded_step_never_reshards_through_a_full_copy():

@@ -69,8 +69,8 @@ def losses(workdir):
 
 
 def test_exact_resume_after_sigkill(tmp_path, data_dir, capsys):
-    """Killed (SIGKILL, in a subprocess) right after its step-n save, a run resumes bit-identically,
-    sharded over all 8 devices. The uninterrupted run and the resumption run in this process."""
+    """Killed (SIGKILL) right after its step-n save, a run resumed by a new process continues
+    bit-identically, sharded over all 8 devices. (The uninterrupted run runs in this process.)"""
     n = 4
     args = (f"steps={2 * n}", f"checkpoint.every_steps={n}", "mesh.devices=0")
     rc, out = train_main(capsys, tmp_path / "straight", data_dir, *args)
@@ -78,7 +78,7 @@ def test_exact_resume_after_sigkill(tmp_path, data_dir, capsys):
     rc, out = train_cmd(tmp_path / "crashed", data_dir, *args, env={"FIBJAX_FAULT_AFTER_SAVE": str(n)})
     assert rc == -signal.SIGKILL, out
     assert [s for s, _ in losses(tmp_path / "crashed")] == list(range(1, n + 1))
-    rc, out = train_main(capsys, tmp_path / "crashed", data_dir, *args)
+    rc, out = train_cmd(tmp_path / "crashed", data_dir, *args)
     assert rc == 0 and f"resuming {tmp_path / 'crashed'} from step {n}" in out, out
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "crashed")
     assert resumed == straight  # bit-identical losses, including the data order after the resume

@@ -60,21 +60,19 @@ def test_mesh_shape_fill_and_errors():
         sharding.mesh_shape(MeshConfig(data=-1, fsdp=3), 8)
 
 
-def test_mesh_devices_takes_the_first_n_or_names_the_problem():
-    assert sharding.mesh_devices(MeshConfig()) == jax.devices()
-    assert sharding.mesh_devices(MeshConfig(devices=3)) == jax.devices()[:3]
+def test_mesh_devices_takes_the_first_n_or_names_the_problem(monkeypatch):
+    assert sharding.job_devices(MeshConfig()) == jax.devices()
+    assert sharding.job_devices(MeshConfig(devices=3)) == jax.devices()[:3]
     assert sharding.make_mesh(MeshConfig(devices=2)).devices.tolist() == [[[d]] for d in jax.devices()[:2]]
     with pytest.raises(ValueError, match="mesh.devices=9, but 8 devices are available"):
-        sharding.mesh_devices(MeshConfig(devices=9))
-    with pytest.raises(ValueError, match="mesh.devices"):
+        sharding.job_devices(MeshConfig(devices=9))
+    with pytest.raises(ValueError, match=r"uses 8 devices, but 4 are available \(mesh.devices=4 of 8\)"):
+        sharding.make_mesh(MeshConfig(data=8, devices=4))
+    with pytest.raises(ValueError, match="^devices: must be >= 0"):
         MeshConfig(devices=-1)
-    # a run evaluates on the devices it trained on
-    from fibjax.eval.runner import eval_mesh
-
-    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=1))) is None
-    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=4))).devices.size == 4
-    assert eval_mesh(TrainConfig(mesh=MeshConfig(devices=16))).devices.size == 8  # trained on a larger machine
-    assert eval_mesh(TrainConfig()).devices.size == 8
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="a job of 2 processes uses every device"):
+        sharding.job_devices(MeshConfig(devices=1))
 
 
 def test_optimizer_masks_and_alpha_multiplier():

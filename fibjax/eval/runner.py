@@ -191,9 +191,9 @@ def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[
 
 
 def eval_mesh(cfg: TrainConfig):
-    """The run's mesh over the devices it trained on (every device of the job, all processes', unless
-    ``mesh.devices`` took fewer), data parallel over windows, or None for one device. Every process
-    reads the same windows; each device scores its share."""
+    """A mesh over this job's devices (all processes'; in a one-process job at most the run's
+    ``mesh.devices``), data parallel over windows, or None for one device. Every process reads
+    the same windows; each device scores its share."""
     from fibjax.config import MeshConfig
     from fibjax.train.sharding import make_mesh
 

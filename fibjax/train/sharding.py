@@ -35,7 +35,7 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
     return tuple(sizes)
 
 
-def mesh_devices(cfg: MeshConfig) -> list:
+def job_devices(cfg: MeshConfig) -> list:
     """The devices a mesh of ``cfg`` takes: every device of the job, or its first ``cfg.devices``."""
     devices = jax.devices()
     if not cfg.devices:
@@ -49,8 +49,13 @@ def mesh_devices(cfg: MeshConfig) -> list:
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     # Auto axes: Explicit ones (jax.make_mesh's default) break NNX embedding lookups (PLATFORM.md).
-    devices = mesh_devices(cfg) if devices is None else devices
-    shape = mesh_shape(cfg, len(devices))
+    devices = job_devices(cfg) if devices is None else devices
+    try:
+        shape = mesh_shape(cfg, len(devices))
+    except ConfigError as e:
+        if not cfg.devices:
+            raise
+        raise ConfigError(f"{e} (mesh.devices={cfg.devices} of {len(jax.devices())})") from None
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
