@@ -123,6 +123,9 @@ def test_tables_match_the_paper_numbers(built):
     pos = {(r[0], r[1], r[2]): r for r in tables["posloss"].rows}
     assert pos[("fib_fixed", "fineweb", "minus fib_stagger")][3:11] == [f"{g:+.3f}" for g in PAPER_GAP]
     assert ("fib_stagger", "fineweb", "minus fib_stagger") not in pos
+    # NLLs of a different sample of the text (another --max-tokens) are not compared
+    assert rep.position_gap({"bin_nll": [1.0, 2.0], "tokens": 8192}, {"bin_nll": [1.5, 1.5], "tokens": 8192}) == [-0.5, 0.5]
+    assert rep.position_gap({"bin_nll": [1.0, 2.0], "tokens": 4096}, {"bin_nll": [1.5, 1.5], "tokens": 8192}) is None
     gaps = [float(r["gap_to_fib_stagger"]) for r in read_csv(out / "posloss.csv") if r["run"] == "fib_fixed" and r["dataset"] == "fineweb"]
     np.testing.assert_allclose(gaps, PAPER_GAP, atol=1e-9)
 

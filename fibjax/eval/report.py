@@ -276,15 +276,16 @@ def posloss_table(runs: list[RunEval], datasets: list[str], reference: RunEval |
     if reference:
         notes.append(
             f"'minus {reference.label}': this run's NLL minus the reference's, per bin; > 0 means worse than {reference.label}. "
-            "Only between runs of the same training length and binning."
+            "Only between runs of the same training length, binning and number of tokens scored."
         )
     csv_header = ["run", "dataset", "length", "bin", "nll", f"gap_to_{reference.label}" if reference else "gap_to_reference"]
     return Table("posloss", "NLL by position at the training length", header, rows, csv_header, csv_rows, notes)
 
 
 def position_gap(row: dict, ref: dict) -> list[float] | None:
-    """Per-bin NLL of ``row`` minus ``ref``; None when the binnings differ."""
-    if len(row["bin_nll"]) != len(ref["bin_nll"]):
+    """Per-bin NLL of ``row`` minus ``ref``; None when the binnings differ, or the tokens scored
+    (an evaluation capped by ``--max-tokens`` scored a different sample of the text)."""
+    if len(row["bin_nll"]) != len(ref["bin_nll"]) or row.get("tokens") != ref.get("tokens"):
         return None
     return [a - b for a, b in zip(row["bin_nll"], ref["bin_nll"], strict=True)]
 
