@@ -99,6 +99,14 @@ def built(runs, tmp_path_factory):
     return rep.build_report(runs, out, reference="fib_stagger"), out
 
 
+def test_runs_that_scored_other_tokens_are_named_under_the_matrix(tmp_path):
+    a = fake_run(tmp_path, "a", datasets={"fineweb": rows_for([40.0], tokens=8192)})
+    b = fake_run(tmp_path, "b", datasets={"fineweb": rows_for([35.0], tokens=2048)})
+    runs, _ = rep.load_runs([a, b])
+    note = next(n for n in rep.matrix_table(runs, ["fineweb"]).notes if "same tokens" in n)
+    assert "a 8192; b 2048" in note
+
+
 def read_csv(path):
     with path.open() as f:
         return list(csv.DictReader(f))
@@ -109,6 +117,7 @@ def test_tables_match_the_paper_numbers(built):
     tables = {t.name: t for t in report.tables}
 
     matrix = {r[0]: r for r in tables["matrix"].rows}
+    assert not any("same tokens" in n for n in tables["matrix"].notes)  # the fake runs all scored 8,192 tokens
     assert tables["matrix"].header[-2:] == ["fineweb", "wiki"]
     assert matrix["fib_stagger"][-2:] == ["42.02", "37.59"] and matrix["fib_learned"][-1] == "—"
 

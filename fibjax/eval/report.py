@@ -224,6 +224,13 @@ def matrix_table(runs: list[RunEval], datasets: list[str]) -> Table:
         rows.append([r.label, str(r.report["step"]), r.attention_label(), str(r.train_len), *(_num(p) for p in ppl)])
         csv_rows.append([r.label, r.report["step"], r.attention_label(), r.train_len, *ppl])
     notes = ["Perplexity on held-out tokens at each run's training length; — : not evaluated at that length."]
+    scored = {r.label: sorted({row["tokens"] for d in datasets if (row := r.at_train_len(d))}) for r in runs}
+    if len({tuple(t) for t in scored.values() if t}) > 1:  # evaluations capped by --max-tokens score another sample
+        notes.append(
+            "Not all on the same tokens (tokens scored per dataset): "
+            + "; ".join(f"{label} {' / '.join(map(str, t))}" for label, t in scored.items() if t)
+            + ". Compare perplexities only between runs that scored the same tokens."
+        )
     csv_header = ["run", "step", "attention", "train_seq_len", *datasets]
     return Table("matrix", "Perplexity by dataset at the training length", header, rows, csv_header, csv_rows, notes)
 
