@@ -100,11 +100,10 @@ def built(runs, tmp_path_factory):
 
 
 def test_runs_that_scored_other_tokens_are_named_under_the_matrix(tmp_path):
-    a = fake_run(tmp_path, "a", datasets={"fineweb": rows_for([40.0], tokens=8192)})
-    b = fake_run(tmp_path, "b", datasets={"fineweb": rows_for([35.0], tokens=2048)})
-    runs, _ = rep.load_runs([a, b])
+    paths = [fake_run(tmp_path, name, datasets={"fineweb": rows_for([40.0], tokens=n)}) for name, n in (("a", 8192), ("b", 2048), ("c", 8192))]
+    runs, _ = rep.load_runs(paths)
     note = next(n for n in rep.matrix_table(runs, ["fineweb"]).notes if "same tokens" in n)
-    assert "a 8192; b 2048" in note
+    assert note.startswith("Tokens scored per dataset: 8192, except b: 2048.")
 
 
 def read_csv(path):

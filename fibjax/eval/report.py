@@ -15,6 +15,7 @@ Input: one or more run directories, each with ``RUN/eval/<step>.json`` (written 
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import re
@@ -224,15 +225,27 @@ def matrix_table(runs: list[RunEval], datasets: list[str]) -> Table:
         rows.append([r.label, str(r.report["step"]), r.attention_label(), str(r.train_len), *(_num(p) for p in ppl)])
         csv_rows.append([r.label, r.report["step"], r.attention_label(), r.train_len, *ppl])
     notes = ["Perplexity on held-out tokens at each run's training length; — : not evaluated at that length."]
-    scored = {r.label: sorted({row["tokens"] for d in datasets if (row := r.at_train_len(d))}) for r in runs}
-    if len({tuple(t) for t in scored.values() if t}) > 1:  # evaluations capped by --max-tokens score another sample
-        notes.append(
-            "Not all on the same tokens (tokens scored per dataset): "
-            + "; ".join(f"{label} {' / '.join(map(str, t))}" for label, t in scored.items() if t)
-            + ". Compare perplexities only between runs that scored the same tokens."
-        )
+    note = other_samples_note(runs, datasets)
+    if note:
+        notes.append(note)
     csv_header = ["run", "step", "attention", "train_seq_len", *datasets]
     return Table("matrix", "Perplexity by dataset at the training length", header, rows, csv_header, csv_rows, notes)
+
+
+def other_samples_note(runs: list[RunEval], datasets: list[str]) -> str | None:
+    """A note naming the runs that scored another number of tokens of a dataset than most runs
+    did (an evaluation capped by ``--max-tokens`` scores another sample of the text); None if none."""
+    scored = {r.label: [(r.at_train_len(d) or {}).get("tokens") for d in datasets] for r in runs}
+    usual = []
+    for i in range(len(datasets)):
+        counts = collections.Counter(t[i] for t in scored.values() if t[i] is not None)
+        usual.append(counts.most_common(1)[0][0] if counts else None)
+    others = {label: t for label, t in scored.items() if any(n is not None and n != u for n, u in zip(t, usual))}
+    if not others:
+        return None
+    fmt = lambda t: " / ".join("—" if n is None else str(n) for n in t)  # noqa: E731
+    listed = "; ".join(f"{label}: {fmt(t)}" for label, t in others.items())
+    return f"Tokens scored per dataset: {fmt(usual)}, except {listed}. Compare perplexities only between runs that scored the same tokens."
 
 
 def change_pct(rows: list[dict]) -> float:
