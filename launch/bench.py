@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "train":
         from fibjax.bench import train as train_bench
 
-        print(f"backend={jax.default_backend()} devices={len(jax.devices())} steps={args.steps} overrides={args.overrides}", flush=True)
+        # the devices a step uses are each config's mesh (mesh.devices), in the table
+        print(f"backend={jax.default_backend()} available devices={len(jax.devices())} steps={args.steps} overrides={args.overrides}", flush=True)
         rows = [train_bench.measure_config(c, args.overrides, args.steps) for c in args.configs.split(",") if c]
         print(train_bench.table(rows))
         return 0

@@ -60,3 +60,13 @@ def test_kernel_check_passes_what_agrees_and_fails_what_does_not(monkeypatch, ca
     assert verdict["off"].endswith("FAIL") and "out 1.00e-03" in verdict["off"]
     assert "FAILED ZeroDivisionError" in verdict["broken"]
     assert lines[-1] == "blocks: 128,128,4,2"
+
+
+def test_train_bench_names_the_devices_each_config_ran_on(capsys):
+    # 8 simulated devices (conftest); the override caps the mesh at 2, which the row must say
+    tiny = ["model.d_model=32", "model.num_layers=1", "seq_len=32", "global_batch=2"]
+    assert bench.main(["train", "--configs", "configs/cpu/dense.py", "--steps", "1", "mesh.devices=2", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "available devices=8" in out
+    row = next(line for line in out.splitlines() if line.startswith("| dense "))
+    assert row.split("|")[4].strip() == "2"

@@ -43,6 +43,7 @@ def measure_config(path: str, overrides: list[str], steps: int) -> dict:
         "params_M": params / 1e6,
         "seq": cfg.seq_len,
         "batch": cfg.global_batch,
+        "devices": mesh.devices.size,
         "s_per_step": s,
         "tokens_per_s": cfg.global_batch * cfg.seq_len / s,
         "first_step_s": compile_s,
@@ -51,10 +52,13 @@ def measure_config(path: str, overrides: list[str], steps: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = rows[0]["tokens_per_s"]
-    lines = ["| config | params (M) | seq x batch | s/step (median) | tokens/s | vs first | first step (compile) s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| config | params (M) | seq x batch | devices | s/step (median) | tokens/s | vs first | first step (compile) s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
-            f"| {r['config']} | {r['params_M']:.2f} | {r['seq']}x{r['batch']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"| {r['config']} | {r['params_M']:.2f} | {r['seq']}x{r['batch']} | {r['devices']} | {r['s_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s'] / base:.2f} | {r['first_step_s']:.1f} |"
         )
     return "\n".join(lines)
