@@ -18,6 +18,15 @@ YARN_256 = ("--rope", "scaling=yarn", "factor=4", "original_len=256")
 YARN_1024 = ("--rope", "scaling=yarn", "factor=4", "original_len=1024")
 # Paper B's error law: ||o_sparse - o_full|| against the dropped mass, per layer, under MoBA inference
 ERROR_LAW = ("--inference-mode", "sparse", "--dropped-mass", "--max-tokens", "32768")
+# Beyond paper A's 4x: the same scored tokens at 1x, 8x and 16x (131,072 is a multiple of 4,096)
+LONG = ("--lengths", "256,2048,4096")
+# The five-seed test (BUILD_NOTES, "The five-seed test"): seeds 44-46 of fixed and stagger in
+# pairs, then learned, then a dense run for the 16x comparison; all from one commit.
+SEEDS = (44, 45, 46)
+
+
+def seeded(name: str, config: str, seed: int) -> StudyRun:
+    return StudyRun(f"{name}_seed{seed}", config, (f"seed={seed}",), extra_evals=(LONG,))
 
 
 def continued(name: str) -> tuple[str, ...]:
@@ -48,6 +57,10 @@ def get_study() -> Study:
             StudyRun("dense_seed43", "configs/cpu/dense.py", SEED2),
             StudyRun("fib_fixed_w8_seed43", "configs/cpu/fib_fixed_w8.py", SEED2),
             StudyRun("fib_stagger_w8_seed43", "configs/cpu/fib_stagger_w8.py", SEED2),
+            # the five-seed test: fixed and stagger pairs first (the primary outcome), then learned
+            *(seeded(n, f"configs/cpu/{n}.py", s) for s in SEEDS for n in ("fib_fixed_w8", "fib_stagger_w8")),
+            *(seeded("fib_learned_w8", "configs/cpu/fib_learned_w8.py", s) for s in SEEDS),
+            seeded("dense", "configs/cpu/dense.py", 44),
             # stage 2: the rest of paper A's matrix at W8/W12, and paper B's methods
             StudyRun("fib_learned_w8", "configs/cpu/fib_learned_w8.py", stage=2),
             StudyRun("fib_coprime_w8", "configs/cpu/fib_coprime_w8.py", stage=2),
