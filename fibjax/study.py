@@ -7,7 +7,8 @@ finished run is skipped, an unfinished one resumes from its last checkpoint.
 
 A run is *done* when its evaluation file ``RUN/eval/<steps>.json`` exists; *running* while
 ``<name>.lock`` beside its directory names a live process; otherwise it is *to do* (from the
-step of its latest checkpoint). The children's output goes to ``<name>.log`` beside it too.
+step of its latest checkpoint). The children's output goes to ``<name>.log`` beside it too, and
+their wall times to ``RUN/study_time.json``.
 
 A study outlives the machine it ran on: ``RESULTS/study.json`` (small, committed) keeps every
 finished run's evaluation files and curves. On a machine without a run's directory,
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
+from fibjax.eval.paired import Comparison
+
+# Tokens per second assumed for a run when the study has measured none: dense_seed43 trained at
+# 2.66k tokens/s on an idle 2-core machine (BUILD_NOTES, "The CPU study").
+GUESS_TOKENS_PER_S = 2700.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Study:
     results: str = "results/study"
     overrides: tuple[str, ...] = ()  # applied to every run (the common recipe)
     reference: str | None = None  # the run the report's position gaps are taken against
+    # paired tests across seeds, each "a - b" between two models named by their config files
+    comparisons: tuple[Comparison, ...] = ()
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
@@ -73,6 +81,13 @@ class Study:
 
     def train_overrides(self, run: StudyRun) -> list[str]:
         return [f"name={run.name}", *self.overrides, *run.overrides]
+
+    def model_and_seed(self, run: StudyRun) -> tuple[str, int] | None:
+        """(config file, seed) of a run that differs from its model's other runs only by seed;
+        None for a run with other overrides of its own (a continuation, say)."""
+        if any(not o.startswith("seed=") for o in run.overrides):
+            return None
+        return run.config, self.train_config(run).seed
 
     def select(self, only: list[str] | None = None, stage: int | None = None) -> list[StudyRun]:
         known = {r.name for r in self.runs}
@@ -110,8 +125,10 @@ class RunStatus:
     step: int
     steps: int
     tokens_per_step: int
-    tokens_per_s: float | None
+    tokens_per_s: float | None  # the median of the run's measured steps (or its record's)
     extra_evals_done: int = 0
+    recorded: bool = False  # done according to the study's record, with no directory here
+    missing_data: str | None = None  # the data directory a run still to train needs and lacks
 
     @property
     def tokens(self) -> int:
@@ -144,26 +161,51 @@ def _metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def run_status(study: Study, run: StudyRun) -> RunStatus:
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def run_status(study: Study, run: StudyRun, record: dict | None = None) -> RunStatus:
+    """The run's state from its directory; with ``record`` (:func:`read_record`), a run this
+    machine lacks counts as done if the record says so. Reads only: nothing is written."""
     cfg = study.train_config(run)
     run_dir = study.run_dir(run)
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    entry = (record or {}).get(run.name)
+    if entry is not None and not run_dir.exists():
+        return RunStatus(run, "done", cfg.steps, cfg.steps, tokens_per_step, entry.get("tokens_per_s"), len(run.extra_evals), recorded=True)
     rows = _metrics(run_dir)
     step = max((r["step"] for r in rows if "loss" in r), default=0)
-    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    rate = _median([r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 1])  # step 1 compiles
+    if rate is None:
+        rate = _timing(run_dir).get("tokens_per_s")
     done = (run_dir / "eval" / f"{cfg.steps}.json").exists()
     extra = sum(1 for e in run.extra_evals if _extra_eval_path(run_dir, cfg.steps, e).exists())
     state = "done" if done and extra == len(run.extra_evals) else "running" if _lock_pid(study.lock(run)) else "to do"
-    return RunStatus(run, state, step, cfg.steps, cfg.global_batch * cfg.seq_len, rates[-1] if rates else None, extra)
+    missing = None
+    if state != "done" and cfg.data.path and not Path(cfg.data.path).is_dir():
+        missing = cfg.data.path
+    return RunStatus(run, state, step, cfg.steps, tokens_per_step, rate, extra, missing_data=missing)
+
+
+def _timing(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / TIMING).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def _extra_eval_path(run_dir: Path, step: int, args: tuple[str, ...]) -> Path:
     return run_dir / "eval" / f"{step}-study-{'_'.join(a.strip('-').replace('=', '_').replace('/', '_') for a in args)}.json"
 
 
-def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s: float = 6000.0) -> str:
-    measured = sorted(s.tokens_per_s for s in statuses if s.tokens_per_s)
-    if measured:  # the study's own measured speed beats a guess for the runs not started yet
-        fallback_tokens_per_s = measured[len(measured) // 2]
+def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s: float = GUESS_TOKENS_PER_S) -> str:
+    # the study's own measured speed (its finished runs first) beats a guess for the runs not started yet
+    finished = [s.tokens_per_s for s in statuses if s.tokens_per_s and s.state == "done"]
+    measured = finished or [s.tokens_per_s for s in statuses if s.tokens_per_s]
+    if measured:
+        fallback_tokens_per_s = _median(measured)
     lines = [
         f"study {study.name}: {study.workdir} -> {study.results}",
         "| run | stage | state | step | tokens | tok/s | ETA |",
@@ -174,17 +216,24 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
         eta = 0.0 if s.state == "done" else s.eta_s(fallback_tokens_per_s)
         left += eta
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "—"
-        state = f"{s.state} (restored)" if s.state == "done" and (study.run_dir(s.run) / RESTORED).exists() else s.state
+        restored = s.recorded or (s.state == "done" and (study.run_dir(s.run) / RESTORED).exists())
+        state = f"{s.state} (restored)" if restored else s.state
+        if s.missing_data:
+            state += f"; data missing: {s.missing_data}"
         lines.append(
             f"| {s.run.name} | {s.run.stage} | {state} | {s.step}/{s.steps} | {s.tokens / 1e6:.1f}M/{s.steps * s.tokens_per_step / 1e6:.1f}M "
             f"| {rate} | {_hm(eta) if s.state != 'done' else '—'} |"
         )
     done = sum(s.state == "done" for s in statuses)
+    source = "the median of its finished runs" if finished else "the median measured so far" if measured else "a guess: an idle 2-core CPU"
     lines.append(
         f"{done}/{len(statuses)} done; training left: about {_hm(left)} "
-        f"(measured tok/s; runs not started at {fallback_tokens_per_s:,.0f}, {'the median measured here' if measured else 'a guess'}; "
+        f"(each run at its own measured tok/s; runs not started at {fallback_tokens_per_s:,.0f} tok/s, {source}; "
         "evaluation adds a few minutes a run)"
     )
+    missing = sorted({s.missing_data for s in statuses if s.missing_data})
+    if missing:
+        lines.append(f"data missing: {', '.join(missing)}: prepare it first (README, 'Training on real data'); those runs would fail at start")
     return "\n".join(lines)
 
 
@@ -251,12 +300,15 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
             started = time.time()
             say(f"[{run.name}] training to step {cfg.steps} (log: {log})")
             code = _child(train_command(study, run), log)
+            _add_time(run_dir, "train_s", time.time() - started)  # summed over resumes
             if code == 3:
                 raise StudyStopped(f"{run.name} was stopped before its last step; run the study again to resume it")
             if code != 0:
                 raise StudyError(f"{run.name}: training failed (exit {code}); see {log}")
             say(f"[{run.name}] trained in {_hm(time.time() - started)}; evaluating")
+            started = time.time()
             code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps)], log)
+            _add_time(run_dir, "eval_s", time.time() - started)
             if code != 0:
                 raise StudyError(f"{run.name}: evaluation failed (exit {code}); see {log}")
         for args in run.extra_evals:
@@ -265,7 +317,9 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
                 continue
             say(f"[{run.name}] evaluating {' '.join(args)}")
             before = set((run_dir / "eval").glob("*.json"))
+            started = time.time()
             code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps), *args], log)
+            _add_time(run_dir, "eval_s", time.time() - started)
             if code != 0:
                 raise StudyError(f"{run.name}: evaluation {' '.join(args)} failed (exit {code}); see {log}")
             new = sorted(set((run_dir / "eval").glob("*.json")) - before, key=lambda p: p.stat().st_mtime)
@@ -275,10 +329,43 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _add_time(run_dir: Path, key: str, seconds: float) -> None:
+    if not run_dir.is_dir():
+        return
+    timing = _timing(run_dir)
+    timing[key] = round(timing.get(key, 0.0) + seconds, 1)
+    (run_dir / TIMING).write_text(json.dumps(timing) + "\n")
+
+
 # ---------------------------------------------------------------------------------------------
 # Results
 
 RESTORED = "RESTORED"  # marker file in a run directory rebuilt from the study's record
+TIMING = "study_time.json"  # wall seconds of the study's training and evaluation children
+
+
+def read_record(study: Study, say=print) -> dict[str, dict]:
+    """The entries of ``RESULTS/study.json`` for runs it records as done with the run's present
+    config, overrides and steps (a record of another recipe is ignored, saying so). Reads only."""
+    path = Path(study.results) / "study.json"
+    if not path.exists():
+        return {}
+    try:
+        recorded = json.loads(path.read_text()).get("runs", {})
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise StudyError(f"{path}: not a study summary ({e}); fix or delete it") from e
+    usable = {}
+    for run in study.runs:
+        entry = recorded.get(run.name)
+        if not entry or entry.get("state") != "done" or not entry.get("evals"):
+            continue
+        cfg = study.train_config(run)
+        if (entry.get("config"), entry.get("overrides"), entry.get("steps")) != (run.config, study.train_overrides(run), cfg.steps):
+            if not study.run_dir(run).exists():
+                say(f"[{run.name}] {path} records it with another config, overrides or steps; not restored (it will be trained)")
+            continue
+        usable[run.name] = entry
+    return usable
 
 
 def restore_recorded(study: Study, say=print) -> list[str]:
@@ -287,28 +374,21 @@ def restore_recorded(study: Study, say=print) -> list[str]:
     if it was made with the run's present config and overrides; an existing directory (a local
     run, finished or not) is never touched. Returns the restored names."""
     path = Path(study.results) / "study.json"
-    if not path.exists():
-        return []
-    try:
-        recorded = json.loads(path.read_text()).get("runs", {})
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise StudyError(f"{path}: not a study summary ({e}); fix or delete it") from e
     restored = []
-    for run in study.runs:
-        entry, run_dir = recorded.get(run.name), study.run_dir(run)
-        if not entry or entry.get("state") != "done" or not entry.get("evals") or run_dir.exists():
-            continue
-        cfg = study.train_config(run)
-        if (entry.get("config"), entry.get("overrides"), entry.get("steps")) != (run.config, study.train_overrides(run), cfg.steps):
-            say(f"[{run.name}] {path} records it with another config, overrides or steps; not restored (it will be trained)")
+    for name, entry in read_record(study, say).items():
+        run_dir = study.run_dir(next(r for r in study.runs if r.name == name))
+        if run_dir.exists():
             continue
         (run_dir / "eval").mkdir(parents=True)
-        for name, report in entry["evals"].items():
-            (run_dir / "eval" / Path(name).name).write_text(json.dumps(report, indent=1) + "\n")
+        for file_name, report in entry["evals"].items():
+            (run_dir / "eval" / Path(file_name).name).write_text(json.dumps(report, indent=1) + "\n")
         rows = sorted(entry.get("train_curve", []) + entry.get("val_curve", []), key=lambda r: r["step"])
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        timing = {k: entry[k] for k in ("train_s", "eval_s", "tokens_per_s") if entry.get(k) is not None}
+        if timing:
+            (run_dir / TIMING).write_text(json.dumps(timing) + "\n")
         (run_dir / RESTORED).write_text(f"rebuilt from {path}: eval files and curves only (training curve every 10 steps), no checkpoints\n")
-        restored.append(run.name)
+        restored.append(name)
     if restored:
         say(f"restored from {path} (trained elsewhere, no checkpoints here): {', '.join(restored)}")
     return restored
@@ -362,6 +442,8 @@ def write_results(study: Study, say=print) -> Path | None:
         }
         if s.state == "done":
             run_dir = study.run_dir(r)
+            timing = _timing(run_dir)
+            entry.update({"tokens_per_s": s.tokens_per_s, "train_s": timing.get("train_s"), "eval_s": timing.get("eval_s")})
             evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))
             entry["evals"] = {p.name: _summary_of(json.loads(p.read_text())) for p in evals}
             rows = _metrics(run_dir)
@@ -370,5 +452,50 @@ def write_results(study: Study, say=print) -> Path | None:
         summary["runs"][r.name] = entry
     path = out / "study.json"
     path.write_text(json.dumps(summary, indent=1) + "\n")
+    if study.comparisons:
+        _write_paired(study, finished, statuses, out)
     say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
     return path
+
+
+def _plain_evals(study: Study, run: StudyRun, steps: int) -> list[Path]:
+    """The run's evaluations under its own attention and RoPE: the main one, then the extra ones
+    that only change the lengths (same scored tokens, so their NLLs are comparable)."""
+    run_dir = study.run_dir(run)
+    extra = [_extra_eval_path(run_dir, steps, e) for e in run.extra_evals if len(e) == 2 and e[0] == "--lengths"]
+    return [p for p in (run_dir / "eval" / f"{steps}.json", *extra) if p.exists()]
+
+
+def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatus]) -> dict:
+    """nll[model][seed][dataset][length] of every finished run that differs from its model's
+    other runs only by seed (:meth:`Study.model_and_seed`)."""
+    nlls: dict = {}
+    for run in runs:
+        key = study.model_and_seed(run)
+        if key is None:
+            continue
+        model, seed = key
+        by_dataset = nlls.setdefault(model, {}).setdefault(seed, {})
+        for path in _plain_evals(study, run, statuses[run.name].steps):
+            for dataset, rows in json.loads(path.read_text())["datasets"].items():
+                for row in rows:  # the main evaluation's figure wins where two share a length
+                    by_dataset.setdefault(dataset, {}).setdefault(int(row["length"]), float(row["nll"]))
+    return nlls
+
+
+def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], out: Path) -> None:
+    """paired.csv, paired.png and the report's section on the study's paired comparisons."""
+    from fibjax.eval import paired
+
+    results = paired.paired(paired_nlls(study, finished, statuses), study.comparisons)
+    if not results:
+        return
+    first = next(r for r in finished if (study.model_and_seed(r) or ("",))[0] == study.comparisons[0].a)
+    train_len = study.train_config(first).seq_len
+    paired.write_csv(results, out / "paired.csv")
+    figure = paired.plot(results, out / "paired.png", train_len)
+    section = "\n## Paired tests across seeds\n\n" + paired.markdown(results, train_len) + "\n"
+    if figure is not None:
+        section += f"\n![paired differences]({figure.name})\n"
+    with (out / "report.md").open("a") as f:
+        f.write(section)

@@ -19,22 +19,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("study", help="a study file with get_study(), e.g. configs/study/cpu.py")
     parser.add_argument("--only", default=None, help="comma-separated run names (default: every run)")
     parser.add_argument("--stage", type=int, default=None, help="only the runs of this stage (default: every stage, in file order)")
-    parser.add_argument("--status", action="store_true", help="print done / running / to do with tokens and ETA, and exit")
+    parser.add_argument("--status", action="store_true", help="print done / running / to do with tokens and ETA, and exit (writes nothing)")
     parser.add_argument("--report", action="store_true", help="only (re)write the report of the finished runs")
     args = parser.parse_args(argv)
 
     from fibjax.config import ConfigError
-    from fibjax.study import StudyError, StudyStopped, format_status, load_study, restore_recorded, run_one, run_status, write_results
+    from fibjax.study import StudyError, StudyStopped, format_status, load_study, read_record, restore_recorded, run_one, run_status, write_results
 
     try:
         study = load_study(args.study)
         runs = study.select(args.only.split(",") if args.only else None, args.stage)
         if not runs:
             raise ConfigError(f"no run of {args.study} matches --only {args.only} --stage {args.stage}")
-        restore_recorded(study)
-        if args.status:
-            print(format_status(study, [run_status(study, r) for r in runs]))
+        if args.status:  # reads only: a run recorded as done elsewhere is shown so, not rebuilt
+            record = read_record(study, say=lambda _msg: None)
+            print(format_status(study, [run_status(study, r, record) for r in runs]))
             return 0
+        restore_recorded(study)
         if not args.report:
             for run in runs:
                 if run_status(study, run).state == "done":

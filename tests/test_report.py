@@ -299,3 +299,13 @@ def test_report_on_two_tiny_trained_runs(tmp_path):
     assert alpha == {("fib_learned", "learned"), ("fib_learned", "init")}
     for name in ("ppl_vs_length.png", "posloss.png", "alpha.png", "loss.png"):
         assert imread(out / name).shape[1] >= 800
+
+
+def test_the_extrapolation_caption_says_which_token_count_belongs_to_which_rows(tmp_path):
+    """It used to print "(8192 / 4096 tokens scored per dataset)" with no word of which is which."""
+    full = fake_run(tmp_path, "full", datasets={"fineweb": rows_for([30.0, 31.0]), "edu": rows_for([40.0, 41.0], tokens=4096)})
+    capped = fake_run(tmp_path, "capped", datasets={"fineweb": rows_for([30.0, 31.0], tokens=2048), "edu": rows_for([40.0, 41.0], tokens=4096)})
+    third = fake_run(tmp_path, "third", datasets={"fineweb": rows_for([30.0, 31.0]), "edu": rows_for([40.0, 41.0], tokens=4096)})
+    report = rep.build_report([full, capped, third], tmp_path / "out", plots=False)
+    (note,) = next(t for t in report.tables if t.name == "extrap").notes
+    assert note.endswith("Tokens scored: fineweb 8192 (2048 for capped), edu 4096.")

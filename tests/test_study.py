@@ -175,3 +175,79 @@ def test_a_run_restored_from_the_summary_draws_the_same_error_law_plot(tmp_path)
         assert plot_error_law([RunEval("ssa", tmp_path, tmp_path, rep, [])], tmp_path / f"{i}.png", style)
         drawn.append((tmp_path / f"{i}.png").read_bytes())
     assert drawn[0] == drawn[1]
+
+
+def test_status_writes_nothing_and_counts_recorded_runs_as_done(tmp_path):
+    """--status on a machine without the runs (a fresh clone): the record's finished runs read as
+    done (restored) and nothing is created; a run still to train names its missing data."""
+    study = make_study(tmp_path, overrides=("steps=100", f"data.path={tmp_path / 'no-data'}"))
+    finish(study, "dense", [30.0, 45.0, 90.0])
+    finish(study, "fib", [32.0, 31.5, 31.2])
+    write_results(study)
+    import shutil
+
+    shutil.rmtree(study.workdir)
+    cmd = [sys.executable, "-m", "launch.study", str(write_study_file(tmp_path, study)), "--status"]
+    before = sorted(p for p in tmp_path.rglob("*"))
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p for p in tmp_path.rglob("*") if p.name != "__pycache__" and "__pycache__" not in p.parts) == before
+    assert "| dense | 1 | done (restored) |" in out.stdout and "2/3 done" in out.stdout
+    assert f"to do; data missing: {tmp_path / 'no-data'}" in out.stdout and "data missing:" in out.stdout.splitlines()[-1]
+
+
+def write_study_file(tmp_path, study: Study) -> Path:
+    path = tmp_path / "study_file.py"
+    runs = ", ".join(f"StudyRun({r.name!r}, {r.config!r}, {r.overrides!r}, stage={r.stage})" for r in study.runs)
+    path.write_text(
+        "from fibjax.study import Study, StudyRun\n"
+        f"def get_study():\n    return Study(name={study.name!r}, workdir={study.workdir!r}, results={study.results!r},\n"
+        f"        overrides={study.overrides!r}, reference={study.reference!r}, runs=({runs},))\n"
+    )
+    return path
+
+
+def test_eta_uses_the_studys_finished_runs_and_the_record_keeps_their_speed(tmp_path):
+    study = make_study(tmp_path)
+    finish(study, "dense", [30.0, 45.0, 90.0])  # 7,000 tokens/s in its metrics
+    statuses = [run_status(study, r) for r in study.runs]
+    assert statuses[0].tokens_per_s == 7000.0
+    table = format_status(study, statuses)
+    assert "runs not started at 7,000 tok/s, the median of its finished runs" in table
+    per_run = 100 * 16 * 256 / 7000  # the tiny config's batch 16 x 256 tokens, 100 steps
+    assert table.count(f"| {round(per_run / 60)}m |") == 2
+    write_results(study)
+    assert json.loads((Path(study.results) / "study.json").read_text())["runs"]["dense"]["tokens_per_s"] == 7000.0
+    nothing = Study(name="t", runs=study.runs[2:], workdir=str(tmp_path / "other"), results=str(tmp_path / "r2"), overrides=("steps=100",))
+    assert "2,700 tok/s, a guess" in format_status(nothing, [run_status(nothing, r) for r in nothing.runs])
+
+
+def test_the_report_tests_paired_models_across_seeds(tmp_path):
+    """Seeds of two models become the paired test's rows (from the main evaluation and from an
+    extra one that only adds lengths); a run with other overrides of its own is left out."""
+    from fibjax.eval.paired import Comparison
+
+    long = (("--lengths", "256,4096"),)
+    runs = (
+        StudyRun("a", TINY, ()),
+        StudyRun("b", TINY.replace("tiny", "tiny"), ("model.attention.alpha=fixed",)),
+        StudyRun("a_seed43", TINY, ("seed=43",), extra_evals=long),
+    )
+    study = Study(name="t", runs=runs, workdir=str(tmp_path / "runs"), results=str(tmp_path / "results"), overrides=("steps=100",))
+    assert study.model_and_seed(runs[0]) == (TINY, 42) and study.model_and_seed(runs[1]) is None and study.model_and_seed(runs[2]) == (TINY, 43)
+    finish(study, "a", [30.0, 29.0, 28.0])
+    run_dir = finish(study, "a_seed43", [31.0, 30.0, 29.0])
+    extra = json.loads((run_dir / "eval" / "100.json").read_text())
+    extra["datasets"]["fineweb"] = [{**extra["datasets"]["fineweb"][0], "length": 4096, "nll": 9.0}]
+    (run_dir / "eval" / "100-study-lengths_256,4096.json").write_text(json.dumps(extra))
+    from fibjax.study import paired_nlls
+
+    statuses = {r.name: run_status(study, r) for r in runs}
+    nlls = paired_nlls(study, list(runs), statuses)
+    assert sorted(nlls[TINY]) == [42, 43] and nlls[TINY][43]["fineweb"][4096] == 9.0
+    assert nlls[TINY][43]["fineweb"][256] == pytest.approx(np.log(31.0))
+    with_test = Study(**{**study.__dict__, "comparisons": (Comparison("a - a", TINY, TINY),)})
+    write_results(with_test)
+    report = (Path(study.results) / "report.md").read_text()
+    assert "## Paired tests across seeds" in report and "| a - a | fineweb | 256 (1x) | 2 | 42: +0.0000, 43: +0.0000 |" in report
+    assert (Path(study.results) / "paired.png").exists() and (Path(study.results) / "paired.csv").exists()

@@ -7,6 +7,7 @@ curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens pe
 Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
 """
 
+from fibjax.eval.paired import Comparison
 from fibjax.study import Study, StudyRun
 
 COMMON = ("steps=2000", "checkpoint.every_steps=250", "eval.every_steps=250", "eval.max_tokens=131072")
@@ -48,6 +49,10 @@ def get_study() -> Study:
         results="results/study",
         overrides=COMMON,
         reference="dense",
+        comparisons=(
+            Comparison("stagger - fixed (W8)", "configs/cpu/fib_stagger_w8.py", "configs/cpu/fib_fixed_w8.py"),
+            Comparison("learned - stagger (W8)", "configs/cpu/fib_learned_w8.py", "configs/cpu/fib_stagger_w8.py"),
+        ),
         runs=(
             # stage 1: the headline claims, with a second seed for the noise
             StudyRun("dense", "configs/cpu/dense.py"),

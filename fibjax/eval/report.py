@@ -267,12 +267,28 @@ def extrap_table(runs: list[RunEval], datasets: list[str]) -> Table:
                 csv_rows.append([r.label, d, r.train_len, x["length"], x["length"] / r.train_len, x["tokens"], x["nll"], x["ppl"], change])
         rows.append([r.label, str(r.train_len), " / ".join(map(str, lengths)), *cells])
     csv_header = ["run", "dataset", "train_seq_len", "length", "multiplier", "tokens", "nll", "ppl", "change_vs_first_pct"]
-    scored = sorted({x["tokens"] for r in runs for d in datasets for x in r.rows(d)})
     notes = [
-        "Perplexity at each evaluation length on the same tokens "
-        f"({' / '.join(map(str, scored))} tokens scored per dataset); in brackets the change at the longest length vs the first."
+        "Perplexity at each evaluation length on the same tokens; in brackets the change at the longest length vs the first. "
+        + scored_tokens_note(runs, datasets)
     ]
     return Table("extrap", "Length extrapolation", header, rows, csv_header, csv_rows, notes)
+
+
+def scored_tokens_note(runs: list[RunEval], datasets: list[str]) -> str:
+    """Tokens scored per dataset, naming the runs that scored another number than the others."""
+    parts = []
+    for d in datasets:
+        by_count = collections.defaultdict(list)  # tokens -> run labels
+        for r in runs:
+            for count in dict.fromkeys(x["tokens"] for x in r.rows(d)):
+                by_count[count].append(r.label)
+        if len(by_count) == 1:
+            parts.append(f"{d} {next(iter(by_count))}")
+            continue
+        usual = max(by_count, key=lambda c: len(by_count[c]))
+        others = "; ".join(f"{c} for {', '.join(by_count[c])}" for c in sorted(by_count) if c != usual)
+        parts.append(f"{d} {usual} ({others})")
+    return "Tokens scored: " + ", ".join(parts) + "."
 
 
 def posloss_table(runs: list[RunEval], datasets: list[str], reference: RunEval | None = None) -> Table:
