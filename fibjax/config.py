@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fibjax.attention import alpha as alpha_lib
 from fibjax.attention import offsets
 
 
@@ -30,8 +31,9 @@ def _require(ok: bool, name: str, message: str, value) -> None:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Attention of every layer. ``kind``: dense | offset (paper A) | block_sparse (MoBA, paper B)
-    | nsa (NSA, paper B's gated baseline: compressed blocks + selected blocks + window)."""
+    """Attention of every layer. ``kind``: a registered attention kind (``fibjax.kinds``): dense |
+    offset (paper A) | block_sparse (MoBA, paper B) | nsa (NSA, paper B's gated baseline:
+    compressed blocks + selected blocks + window) | one of your own."""
 
     kind: str = "dense"
     # offset: the dense local window {0..W}; nsa: the window branch's keys i-W .. i
@@ -61,7 +63,9 @@ class AttentionConfig:
     implementation: str | None = None
 
     def __post_init__(self):
-        _require(self.kind in ("dense", "offset", "block_sparse", "nsa"), "kind", "must be dense, offset, block_sparse or nsa", self.kind)
+        from fibjax.kinds import registry
+
+        _require(self.kind in registry.names(), "kind", f"must be a registered attention kind: {', '.join(registry.names())}", self.kind)
         _require(self.window >= 0, "window", "must be >= 0", self.window)
         if isinstance(self.base, str):
             _require(self.base in ("fibonacci", "pow2"), "base", "must be fibonacci, pow2 or a tuple of ints", self.base)
@@ -72,9 +76,9 @@ class AttentionConfig:
         if self.max_rung and not isinstance(self.base, str):
             _require(min(self.base) <= self.max_rung, "max_rung", f"leaves no rung of base {self.base}", self.max_rung)
         if isinstance(self.alpha, str):
-            _require(self.alpha in offsets.SCHEDULES, "alpha", f"must be one of {offsets.SCHEDULES} or a tuple of floats", self.alpha)
+            _require(self.alpha in alpha_lib.SCHEDULES, "alpha", f"must be one of {alpha_lib.SCHEDULES} or a tuple of floats", self.alpha)
         else:
-            bad = [a for a in self.alpha if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX]
+            bad = [a for a in self.alpha if not alpha_lib.ALPHA_MIN <= a <= alpha_lib.ALPHA_MAX]
             _require(len(self.alpha) > 0 and not bad, "alpha", "explicit alphas must lie in [0.5, 1.5]", self.alpha)
         _require(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
         _require(self.num_blocks >= 1, "num_blocks", "must be >= 1", self.num_blocks)
@@ -87,18 +91,22 @@ class AttentionConfig:
         return offsets.bounded_base(self.base, self.max_rung)
 
     @property
-    def is_learned(self) -> bool:
-        return self.kind == "offset" and (self.alpha == "learned" or self.learn_alpha)
+    def has_alpha(self) -> bool:
+        """The layers have a rung scale alpha (paper A's offsets)."""
+        from fibjax.kinds import registry
+
+        return registry.get(self.kind).has_alpha
 
     @property
-    def is_interpolated(self) -> bool:
-        """Rungs at alpha * f interpolated between floor and floor + 1 (learned, or frozen after learning)."""
-        return self.is_learned or (self.kind == "offset" and self.interpolate)
+    def is_learned(self) -> bool:
+        from fibjax.kinds import registry
+
+        return registry.get(self.kind).learns_alpha(self)
 
     def layer_alphas(self, num_layers: int) -> tuple[float, ...]:
         """Alpha of every layer (the initial values when learned)."""
         if isinstance(self.alpha, str):
-            return offsets.alpha_schedule(self.alpha, num_layers)
+            return alpha_lib.alpha_schedule(self.alpha, num_layers)
         _require(len(self.alpha) == num_layers, "alpha", f"needs one value per layer ({num_layers})", self.alpha)
         return tuple(float(a) for a in self.alpha)
 
@@ -156,15 +164,11 @@ class ModelConfig:
         if isinstance(self.remat, bool):  # the earlier boolean field: stored run configs still say true/false
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         _require(self.remat in REMAT_POLICIES, "remat", f"must be one of {', '.join(REMAT_POLICIES)}", self.remat)
-        if self.scan_layers and self.attention.kind == "offset" and not self.attention.is_learned:
-            alphas = set(self.attention.layer_alphas(self.num_layers))
-            _require(
-                len(alphas) == 1,
-                "scan_layers",
-                f"needs every layer to run the same program, but alpha={self.attention.alpha!r} gives the "
-                f"layers {len(alphas)} different static offset sets; use alpha=fixed or learn_alpha, or scan_layers=false",
-                True,
-            )
+        if self.scan_layers:
+            from fibjax.kinds import registry
+
+            problem = registry.kind_of(self.attention).scan_problem(self.attention, self.num_layers)
+            _require(problem is None, "scan_layers", problem or "", True)
         if not isinstance(self.attention.alpha, str):
             self.attention.layer_alphas(self.num_layers)  # explicit alphas: one per layer
 
@@ -307,7 +311,12 @@ class SSAConfig:
     sparse_prob: float = 0.5
 
     def __post_init__(self):
-        _require(self.sparse_kind in ("block_sparse", "offset", "nsa"), "sparse_kind", "must be block_sparse, offset or nsa", self.sparse_kind)
+        from fibjax.kinds import registry
+
+        names = registry.names()
+        _require(self.sparse_kind in names, "sparse_kind", f"must be a registered attention kind: {', '.join(names)}", self.sparse_kind)
+        if self.enabled:  # asks the kind itself (which loads JAX): only for a config that trains SSA
+            _require(registry.get(self.sparse_kind).sparse, "sparse_kind", "must be a sparse attention kind, not the full stream's", self.sparse_kind)
         _require(self.align_weight >= 0, "align_weight", "must be >= 0", self.align_weight)
         _require(0 <= self.sparse_prob <= 1, "sparse_prob", "must lie in [0, 1]", self.sparse_prob)
 
@@ -337,10 +346,12 @@ class TrainConfig:
         _require(self.steps >= 1, "steps", "must be >= 1", self.steps)
         if self.ssa.enabled:
             a = self.model.attention
-            _require(a.kind == "dense", "model.attention.kind", "must be dense (the full stream) when ssa.enabled", a.kind)
+            from fibjax.kinds import registry
+
+            _require(not registry.get(a.kind).sparse, "model.attention.kind", "must be dense (the full stream) when ssa.enabled", a.kind)
             _require(not a.learn_alpha and a.alpha != "learned", "model.attention.alpha", "the ssa sparse stream uses static alphas", a.alpha)
             _require(
-                self.ssa.sparse_kind != "nsa" or a.nsa_params,
+                not registry.get(self.ssa.sparse_kind).params_needed or a.nsa_params,
                 "model.attention.nsa_params",
                 "must be true when ssa.sparse_kind=nsa (the dense full stream then carries NSA's gates and compression)",
                 a.nsa_params,

@@ -17,10 +17,11 @@ import optax
 from flax import nnx
 
 from fibjax import attention as attn_lib
+from fibjax import kinds
 from fibjax.config import AttentionConfig
 
 Array = jax.Array
-DENSE = AttentionConfig(kind="dense")
+DENSE = AttentionConfig(kind=kinds.FULL)  # SSA's full stream
 
 
 def smooth_l1(a: Array, b: Array) -> Array:

@@ -21,10 +21,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from fibjax import attention as attn_lib
-from fibjax.attention import offsets
+from fibjax import kinds
 from fibjax.attention.sharded import HEAD_AXIS, batch_axes
 from fibjax.config import AttentionConfig, ModelConfig
+from fibjax.kinds.interpolated import Alpha
 from fibjax.layer_modes import DroppedMassProbe, SSAStreams, smooth_l1, ssa_alignment  # noqa: F401  (public names of fibjax.model)
 
 Array = jax.Array
@@ -88,62 +88,19 @@ class RMSNorm(nnx.RMSNorm):
         return super().__call__(x_BTD).astype(x_BTD.dtype)
 
 
-def logit_to_alpha(logit: Array) -> Array:
-    """A learned layer's alpha from its parameter, 0.5 + sigmoid(logit): always inside (0.5, 1.5)."""
-    return offsets.ALPHA_MIN + jax.nn.sigmoid(logit)
-
-
-class BlockCompressor(nnx.Module):
-    """NSA's learned compression of every block of keys (or values) into one, per KV head, the
-    weights shared by the heads: mean + relu(vec(X + P) W_in) W_out (``compress_blocks``).
-    P and W_out start at zero, so a fresh layer compresses by the block mean, as the reference
-    code does; hidden width = head dim."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        j, e, pdt = cfg.attention.block_size, cfg.resolved_head_dim, cfg.param_dtype
-        self.pos = nnx.Param(jnp.zeros((j, e), pdt), logical_axes=(None, None))
-        self.w_in = nnx.Param(nnx.initializers.normal((j * e) ** -0.5)(rngs.params(), (j * e, e), pdt), logical_axes=(None, None))
-        self.w_out = nnx.Param(jnp.zeros((e, e), pdt), logical_axes=(None, None))
-
-    def __call__(self, x_BTKE: Array) -> Array:
-        dt = x_BTKE.dtype
-        return attn_lib.compress_blocks(x_BTKE, self.pos[...].astype(dt), self.w_in[...].astype(dt), self.w_out[...].astype(dt))
-
-
-class NSAParams(nnx.Module):
-    """NSA's learned parts: a sigmoid gate per (head, branch) from the layer input (a linear map,
-    as the reference's g_proj; zero-initialised: every gate starts at 1/2) and the compressions."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.block_size = cfg.attention.block_size
-        init = nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=("embed", "heads"))
-        self.gate = nnx.Linear(cfg.d_model, cfg.num_heads * 3, use_bias=False, kernel_init=init, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.k_compress = BlockCompressor(cfg, rngs=rngs)
-        self.v_compress = BlockCompressor(cfg, rngs=rngs)
-
-    def __call__(self, x_BTD: Array, k_BTKE: Array, v_BTKE: Array) -> tuple[Array, Array, Array]:
-        """(k_cmp, v_cmp [B, T // block, K, E], gates [B,T,H,3] float32)."""
-        b, t, _ = x_BTD.shape
-        gates_BTH3 = jax.nn.sigmoid(self.gate(x_BTD).astype(jnp.float32)).reshape(b, t, -1, 3)
-        return self.k_compress(k_BTKE), self.v_compress(v_BTKE), gates_BTH3
-
-
-class Alpha(nnx.Param):
-    """A layer's learned alpha, held as its logit (alpha = 0.5 + sigmoid(alpha_logit)): the optimizer finds
-    these by type (``alpha_mask``), to move them at their own learning rate."""
-
-
 def alpha_mask(model: nnx.Module) -> dict:
-    """Pure dict of bools, like the model's parameters: True at its ``Alpha`` parameters."""
+    """Pure dict of bools, like the model's parameters: True at its learned alphas (``Alpha``)."""
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, Alpha), nnx.state(model, nnx.Param), is_leaf=is_var))
 
 
 class Attention(nnx.Module):
-    """Projections, RoPE, and the layer's attention path (dense, offsets, blocks, or NSA).
+    """Projections, RoPE, and the layer's attention, run by its kind (``fibjax.kinds``): the kind
+    adds its parameters to this module (a learned alpha, NSA's gates) and computes the attention.
 
-    A ``mode`` (``fibjax.layer_modes``: SSA's two streams, the dropped-mass probe) replaces the
-    plain attention call when given; it records its extras with ``sow``."""
+    A ``mode`` (``fibjax.layer_modes``: SSA's two streams, the dropped-mass probe; the decoder's
+    prompt and token steps) replaces the plain attention call when given; it records its extras
+    with ``sow``."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
         self.cfg, self.layer = cfg, layer
@@ -154,21 +111,18 @@ class Attention(nnx.Module):
         self.k_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
         self.v_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
         self.o_proj = nnx.Linear(h * e, d, kernel_init=_init(out_std, ("heads", "embed")), **lin)
-        if cfg.attention.is_learned:
-            alpha0 = cfg.attention.layer_alphas(cfg.num_layers)[layer]
-            self.alpha_logit = Alpha(jnp.asarray(offsets.alpha_to_logit(alpha0), jnp.float32), logical_axes=())
-        if cfg.attention.kind == "nsa" or cfg.attention.nsa_params:
-            self.nsa = NSAParams(cfg, rngs=rngs)
+        owners = [kinds.kind_of(cfg.attention)]
+        if cfg.attention.nsa_params and kinds.get("nsa") not in owners:  # SSA with an NSA sparse stream: the dense layer carries its parameters
+            owners.append(kinds.get("nsa"))
+        for kind in owners:
+            for name, value in kind.params(cfg, layer, rngs).items():
+                setattr(self, name, value)
 
     def alpha(self, acfg: AttentionConfig | None = None) -> Array | float | None:
         """This layer's alpha under ``acfg`` (default: the model's): 0.5 + sigmoid(alpha_logit) when
-        learned, the schedule's value for static offsets, None otherwise."""
+        learned, the schedule's value for static offsets, None for kinds without alpha."""
         acfg = acfg or self.cfg.attention
-        if acfg.kind != "offset":
-            return None
-        if acfg.is_learned:
-            return logit_to_alpha(self.alpha_logit[...])
-        return acfg.layer_alphas(self.cfg.num_layers)[self.layer]
+        return kinds.kind_of(acfg).alpha(self, acfg)
 
     def qkv(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
         b, t, _ = x_BTD.shape
@@ -183,30 +137,7 @@ class Attention(nnx.Module):
         """The attention output [B,T,H,E] (and lse) under ``acfg`` (default: the model's);
         ``x_BTD``, the layer's normed input, makes NSA's gates."""
         acfg = acfg or self.cfg.attention
-        t, impl = q_BTHE.shape[1], acfg.implementation
-        if acfg.kind == "dense":
-            return attn_lib.dense_attention(q_BTHE, k_BTKE, v_BTKE, return_lse=return_lse, implementation=impl)
-        if acfg.kind == "block_sparse":
-            return attn_lib.block_sparse_attention(
-                q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, block_rank=acfg.block_rank, return_lse=return_lse
-            )
-        if acfg.kind == "nsa":
-            nsa = getattr(self, "nsa", None)
-            if nsa is None or nsa.block_size != acfg.block_size:
-                raise ValueError(
-                    f"nsa attention with block_size {acfg.block_size} needs NSA parameters built for that block size "
-                    f"(this layer's: {getattr(nsa, 'block_size', None)}); set model.attention.kind=nsa, or nsa_params=true for SSA"
-                )
-            k_cmp, v_cmp, gates = nsa(x_BTD, k_BTKE, v_BTKE)
-            return attn_lib.nsa_attention(
-                q_BTHE, k_BTKE, v_BTKE, k_cmp, v_cmp, gates, block_size=acfg.block_size, num_blocks=acfg.num_blocks, window=acfg.window, return_lse=return_lse
-            )
-        if acfg.is_interpolated:
-            return attn_lib.interpolated_attention(
-                q_BTHE, k_BTKE, v_BTKE, window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), return_lse=return_lse, implementation=impl
-            )
-        ds = offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=self.alpha(acfg), seq_len=t)
-        return attn_lib.offset_attention(q_BTHE, k_BTKE, v_BTKE, distances=ds, return_lse=return_lse, implementation=impl)
+        return kinds.kind_of(acfg).attend(self, q_BTHE, k_BTKE, v_BTKE, acfg, x_BTD=x_BTD, return_lse=return_lse)
 
     def __call__(self, x_BTD: Array, positions_BT: Array, mode: LayerMode | None = None) -> Array:
         b, t, _ = x_BTD.shape

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("formulations", help="the XLA formulations we chose between (the static path; dense attention)", **defaults)
     p.add_argument("--seq", type=_ints, default=[1024, 4096], help="sequence lengths")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
-    p = sub.add_parser("decode", help="per-token decoding latency and KV-cache memory, sparse / moba / nsa vs dense, against the context", **defaults)
+    p = sub.add_parser("decode", help="per-token decoding latency and KV-cache memory, offset / block_sparse / nsa vs dense, against the context", **defaults)
     p.add_argument("--context", type=_ints, default=[1024, 4096, 16384, 65536], help="context lengths")
     p.add_argument("--steps", type=int, default=16, help="tokens timed per context")
     p.add_argument("--kinds", default=",".join(decode_bench.KINDS), help=f"comma list of {list(decode_bench.KINDS)}")

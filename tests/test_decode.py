@@ -86,7 +86,7 @@ def test_learned_path_at_non_integer_alpha(base, capacity, prompt, alphas):
     np.testing.assert_allclose([float(a) for a in model.alphas()], alphas, rtol=1e-6)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (2, capacity), 0, 97)
     cached, full, decoder = cached_and_full(model, tokens, prompt)
-    assert all(p.kind == "interpolated" and p.rows < capacity for p in decoder.plans)
+    assert all(p.kind.name == "interpolated" and p.rows < capacity for p in decoder.plans)
     np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
 
 
@@ -237,7 +237,7 @@ def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
     assert loaded.model.cfg.attention.kind == "block_sparse" and loaded.model.cfg.attention.num_blocks == 2
     tokens = jnp.asarray([loaded.tokenizer.encode("def f(x):\n    return x * 2\n" * 4)[:40]])
     cached, full, decoder = cached_and_full(loaded.model, tokens, 9)
-    assert decoder.plans[0].kind == "block_sparse"
+    assert decoder.plans[0].kind.name == "block_sparse"
     np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
 
     def as_ssa(c):
@@ -308,7 +308,7 @@ def test_block_sparse_cached_logits_equal_the_full_forward(block_size, num_block
     tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
     cached, full, decoder = cached_and_full(model, tokens, prompt)
     np.testing.assert_allclose(cached, full, atol=TOL["float32"])
-    assert decoder.plans[0].kind == "block_sparse" and decoder.traces["step"] == 1
+    assert decoder.plans[0].kind.name == "block_sparse" and decoder.traces["step"] == 1
     cache = decoder.init_cache(2)
     assert cache[0].ksum.shape == (2, cfg.num_kv_heads, -(-capacity // block_size), cfg.resolved_head_dim)
 
@@ -348,7 +348,7 @@ def test_nsa_cached_logits_equal_the_full_forward(attention, capacity, prompt):
     tokens = jax.random.randint(jax.random.PRNGKey(7), (2, capacity), 0, cfg.vocab_size)
     cached, full, decoder = cached_and_full(model, tokens, prompt)
     np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
-    assert decoder.plans[0].kind == attention["kind"] and decoder.traces["step"] == 1
+    assert decoder.plans[0].kind.name == attention["kind"] and decoder.traces["step"] == 1
     if attention["kind"] == "nsa":
         cache = decoder.init_cache(2)
         assert cache[0].kcmp.shape == cache[0].vcmp.shape == (2, cfg.num_kv_heads, -(-capacity // attention["block_size"]), cfg.resolved_head_dim)

@@ -280,16 +280,16 @@ def test_paper_shape_initialises_abstractly_and_lowers(platform):
 
 
 def test_ssa_with_an_nsa_stream_needs_its_parameters_and_budgets_apply_to_nsa():
-    from fibjax.decode.cache import _plan_layer
+    from fibjax.decode import plan_layers
     from fibjax.eval.runner import inference_overrides
 
     cfg = load_config_file("configs/ssa/cpu_nsa.py")
     with pytest.raises(ConfigError, match="nsa_params"):
         apply_overrides(cfg, ["model.attention.kind=dense", "ssa.enabled=true", "ssa.sparse_kind=nsa"])
     assert inference_overrides(cfg, "sparse", num_blocks=2) == ["kind=nsa", "num_blocks=2"]
-    with pytest.raises(ConfigError, match="compression parameters"):
+    with pytest.raises(ConfigError, match="sized by the trained block size"):
         inference_overrides(cfg, "sparse", block_size=8)
     # decoding plans NSA's rule for NSA layers and keeps a MoBA layer's own rule (tests/test_decode.py decodes both)
     moba = Transformer(_tiny("block_sparse", block_rank="nsa_prob"), rngs=nnx.Rngs(0))
     nsa = Transformer(_tiny("nsa"), rngs=nnx.Rngs(0))
-    assert _plan_layer(moba.blocks[0].attn, 64).rank == "nsa_prob" and _plan_layer(nsa.blocks[0].attn, 64).rank == "nsa_prob"
+    assert plan_layers(moba, 64)[0].rank == "nsa_prob" and plan_layers(nsa, 64)[0].rank == "nsa_prob"

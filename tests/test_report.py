@@ -309,3 +309,16 @@ def test_the_extrapolation_caption_says_which_token_count_belongs_to_which_rows(
     report = rep.build_report([full, capped, third], tmp_path / "out", plots=False)
     (note,) = next(t for t in report.tables if t.name == "extrap").notes
     assert note.endswith("Tokens scored: fineweb 8192 (2048 for capped), edu 4096.")
+
+
+def test_a_learned_runs_initial_alphas_are_the_evaluators(tmp_path):
+    """Without a recorded alpha_init the report used the bare schedule (0.5 .. 1.5), the evaluator
+    the values a learned layer really starts from (pulled into 0.55 .. 1.45): now one rule."""
+    from fibjax.attention.alpha import initial_alphas
+    from fibjax.config import AttentionConfig
+
+    attention = {**ATTN, "alpha": "staggered", "learn_alpha": True}
+    run = fake_run(tmp_path, "learned", datasets={"fineweb": rows_for([30.0])}, attention=attention, alphas=(0.6, 1.0, 1.4))
+    (loaded,), _ = rep.load_runs([run])
+    assert loaded.initial_alphas() == pytest.approx([0.55, 1.0, 1.45])
+    assert loaded.initial_alphas() == initial_alphas(AttentionConfig(**attention), 3)

@@ -3,7 +3,7 @@
 >>> from fibjax.attention import attended_distances, offset_attention
 >>> ds = attended_distances(window=12, base="fibonacci", alpha=1.0, seq_len=1024)
 
-The pure-Python offset math (``fibjax.attention.offsets``) imports no JAX; the attention
+The pure-Python offset and alpha math (``offsets``, ``alpha``) imports no JAX; the attention
 functions load JAX and the kernels on first use (PEP 562 module ``__getattr__``), so a config
 file or a planning tool can use the geometry without starting JAX.
 """
@@ -11,21 +11,10 @@ file or a planning tool can use the geometry without starting JAX.
 from __future__ import annotations
 
 import importlib
+import warnings
 
-from fibjax.attention.offsets import (
-    FIBONACCI_RUNGS,
-    alpha_schedule,
-    alpha_to_logit,
-    alpha_to_theta,  # the earlier name of alpha_to_logit
-    attended_distances,
-    base_rungs,
-    bounded_base,
-    coprime_stride,
-    learned_rung_bases,  # the earlier names of rung_slots and rung_taps
-    learned_rung_spec,
-    rung_slots,
-    rung_taps,
-)
+from fibjax.attention.alpha import alpha_schedule, alpha_to_logit, coprime_stride, logit_to_alpha
+from fibjax.attention.offsets import FIBONACCI_RUNGS, attended_distances, base_rungs, bounded_base, rung_slots, rung_taps
 
 # name -> the submodule that defines it (imported when first asked for)
 _LAZY = {
@@ -40,9 +29,17 @@ _LAZY = {
 }
 
 
+# earlier names -> their present names (a DeprecationWarning on use; to be removed)
+_RENAMED = {"alpha_to_theta": "alpha_to_logit", "learned_rung_bases": "rung_slots", "learned_rung_spec": "rung_taps"}
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"fibjax.attention.{name} is deprecated: use fibjax.attention.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
     raise AttributeError(f"module 'fibjax.attention' has no attribute {name!r}")
 
 
@@ -50,7 +47,6 @@ __all__ = [
     "FIBONACCI_RUNGS",
     "alpha_schedule",
     "alpha_to_logit",
-    "alpha_to_theta",
     "attended_distances",
     "base_rungs",
     "block_sparse_attention",
@@ -60,8 +56,7 @@ __all__ = [
     "dense_attention",
     "dropped_mass",
     "interpolated_attention",
-    "learned_rung_bases",
-    "learned_rung_spec",
+    "logit_to_alpha",
     "nsa_attention",
     "offset_attention",
     "rung_slots",

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from fibjax.attention import offsets
+from fibjax.attention.alpha import ALPHA_MAX, ALPHA_MIN
 from fibjax.attention.common import check_qkv
 from fibjax.attention.dense import dense_attention_xla
 from fibjax.attention.fused import dense_attention_fused
@@ -81,7 +82,7 @@ def interpolated_attention(
     base = base if isinstance(base, str) else tuple(base)
     if not isinstance(alpha, jax.core.Tracer):
         a = float(alpha)
-        if not offsets.ALPHA_MIN <= a <= offsets.ALPHA_MAX:
+        if not ALPHA_MIN <= a <= ALPHA_MAX:
             raise ValueError(f"alpha must lie in [0.5, 1.5], got {a}")
     if pallas_backend.use_pallas(implementation):
         kernel = lambda q, k, v, a: interpolated_attention_pallas(q, k, v, window=window, base=base, alpha=a, return_lse=return_lse)  # noqa: E731

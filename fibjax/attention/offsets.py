@@ -1,4 +1,4 @@
-"""Paper A's attended set: rungs, per-layer alpha schedules, attended distances.
+"""Paper A's attended set: rungs and attended distances (alpha itself: ``alpha.py``).
 
 Pure Python (no JAX), so every static pattern is known at trace time and can be checked
 against the paper by hand. Semantics follow the paper's "normative" section and its public
@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from fibjax.attention.alpha import ALPHA_MAX, ALPHA_MIN
+
 FIBONACCI_RUNGS: tuple[int, ...] = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233, 377, 610, 987)
-ALPHA_MIN, ALPHA_MAX = 0.5, 1.5
-SCHEDULES = ("fixed", "staggered", "coprime", "learned")
 
 Base = str | Sequence[int]
 
@@ -64,26 +64,6 @@ def bounded_base(base: Base, max_rung: int) -> Base:
     if not rungs:
         raise ValueError(f"max_rung={max_rung} leaves no rung of {base!r}")
     return rungs
-
-
-def coprime_stride(num_layers: int) -> int:
-    """Largest s in [2, L // 2] with gcd(s, L) = 1, or 1 (the linear order) when none exists."""
-    return next((s for s in range(num_layers // 2, 1, -1) if math.gcd(s, num_layers) == 1), 1)
-
-
-def alpha_schedule(kind: str, num_layers: int) -> tuple[float, ...]:
-    """Per-layer alpha for ``kind`` in fixed | staggered | coprime | learned (its initial values)."""
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    if kind in ("fixed", "learned"):
-        return (1.0,) * num_layers
-    if kind not in ("staggered", "coprime"):
-        raise ValueError(f"unknown alpha schedule {kind!r}: expected one of {SCHEDULES}")
-    if num_layers == 1:
-        return (1.0,)
-    stride = coprime_stride(num_layers) if kind == "coprime" else 1
-    slots = [(stride * layer) % num_layers for layer in range(num_layers)]
-    return tuple(ALPHA_MIN + slot / (num_layers - 1) for slot in slots)
 
 
 def attended_distances(*, window: int, base: Base, alpha: float, seq_len: int) -> tuple[int, ...]:
@@ -133,22 +113,3 @@ def rung_taps(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tu
         used.add(lo)
         spec.append((f, lo, t - lo))
     return spec
-
-
-# The earlier names (kept for code that imports them).
-learned_rung_bases = rung_slots
-learned_rung_spec = rung_taps
-
-
-def alpha_to_logit(alpha: float, margin: float = 0.05) -> float:
-    """A learned layer's parameter: the logit with 0.5 + sigmoid(logit) = alpha, alpha first
-    pulled into [0.5 + margin, 1.5 - margin].
-
-    sigmoid never reaches 0 or 1, so a learned layer cannot start exactly at 0.5 or 1.5; the
-    pull (default 0.05) matches the 0.55-1.45 span the paper reports for staggered-init runs.
-    """
-    a = min(max(alpha, ALPHA_MIN + margin), ALPHA_MAX - margin) - ALPHA_MIN
-    return math.log(a / (1.0 - a))
-
-
-alpha_to_theta = alpha_to_logit  # the earlier name (the parameter was called theta)

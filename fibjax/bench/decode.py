@@ -1,18 +1,18 @@
 """``python -m launch.bench decode``: per-token latency and KV-cache memory against the context.
 
-Four models of the same size that differ only in attention: sparse (Fibonacci, staggered alpha,
-window 12 by default), moba (block-sparse: 16 blocks of 16 keys, paper B's receptive field 256;
-SSA's sparse inference), nsa (NSA: the same 16 blocks of 16 keys selected, every block's
-compressed key and value, and a window of 128, half the selection's receptive field as in the
-CPU config) and dense. For each context n a decoder is built with capacity n, its
+Four models of the same size that differ only in attention, named by their kinds: offset
+(Fibonacci, staggered alpha, window 12 by default), block_sparse (MoBA: 16 blocks of 16 keys,
+paper B's receptive field 256; SSA's sparse inference), nsa (NSA: the same 16 blocks of 16 keys
+selected, every block's compressed key and value, and a window of 128, half the selection's
+receptive field as in the CPU config) and dense. For each context n a decoder is built with capacity n, its
 cache filled with random keys and values (their values do not change the work), and ``steps``
 tokens are timed one by one at positions n - steps .. n - 1 (each step synchronised); the
 median and the fastest step are reported. Cache MiB is the size of every layer's buffers: ring
-buffers of (largest distance + 1) rows for the sparse model, n rows per layer for the others
-(plus moba's block key sums and nsa's compressed blocks). "read" is what one token's attention
-reads from the cache, all layers: every row for dense; the block sums and the S x B selected
-rows for moba; the compressed blocks, the S x B selected rows and the window for nsa; the
-attended rows for the sparse model.
+buffers of (largest distance + 1) rows for the offset model, n rows per layer for the others
+(plus block_sparse's block key sums and nsa's compressed blocks). "read" is what one token's
+attention reads from the cache, all layers (``AttentionKind.read_bytes``): every row for dense;
+the block sums and the S x B selected rows for block_sparse; the compressed blocks, the S x B
+selected rows and the window for nsa; the attended rows for the offset model.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from fibjax import kinds as kinds_lib
 from fibjax.config import AttentionConfig, ModelConfig
-from fibjax.decode import Decoder, cache_bytes
-from fibjax.decode.cache import KV
+from fibjax.decode import KV, Decoder, cache_bytes
 from fibjax.model import Transformer, count_params
 
-KINDS = ("sparse", "moba", "nsa", "dense")
+KINDS = ("offset", "block_sparse", "nsa", "dense")
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ class Spec:
 
     def model_config(self, kind: str) -> ModelConfig:
         attention = {
-            "sparse": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
-            "moba": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
+            "offset": AttentionConfig(kind="offset", base="fibonacci", alpha="staggered", window=self.window),
+            "block_sparse": AttentionConfig(kind="block_sparse", block_size=self.block_size, num_blocks=self.num_blocks),
             "nsa": AttentionConfig(kind="nsa", block_size=self.block_size, num_blocks=self.num_blocks, window=self.nsa_window),
             "dense": AttentionConfig(kind="dense"),
         }[kind]
@@ -81,20 +81,8 @@ def random_cache(decoder: Decoder, key) -> tuple[KV, ...]:
 
 
 def read_bytes(decoder: Decoder, cache) -> int:
-    """Cache bytes one token's attention reads (keys and values; block sums for moba; compressed
-    blocks for nsa, whose own block is read once for its compression and its selection)."""
-    total = 0
-    for plan, kv in zip(decoder.plans, cache):
-        row = kv.k.shape[1] * kv.k.shape[3] * kv.k.dtype.itemsize * 2  # one position's K and V, all KV heads
-        if plan.kind == "dense":
-            total += plan.rows * row
-        elif plan.kind == "block_sparse":
-            total += kv.ksum.nbytes + (plan.top + 1) * plan.block_size * row
-        elif plan.kind == "nsa":
-            total += kv.kcmp.nbytes + kv.vcmp.nbytes + ((plan.top + 1) * plan.block_size + plan.window) * row
-        else:
-            total += (len(plan.distances) + 2 * len(plan.slots)) * row
-    return total
+    """Cache bytes one token's attention reads, all layers (each layer's kind says what it reads)."""
+    return sum(plan.kind.read_bytes(plan, kv) for plan, kv in zip(decoder.plans, cache))
 
 
 def measure(model: Transformer, context: int, steps: int) -> Row:
@@ -127,22 +115,23 @@ def run(spec: Spec, contexts: list[int], steps: int, kinds=KINDS, progress=None)
 
 def table(results: dict[tuple[str, int], Row], contexts: list[int]) -> str:
     kinds = [k for k in KINDS if (k, contexts[0]) in results]
-    sparse = [k for k in kinds if k != "dense"] if "dense" in kinds else []
+    full = kinds_lib.FULL  # the row every sparse kind is compared with
+    sparse = [k for k in kinds if kinds_lib.get(k).sparse] if full in kinds else []
     lines = [
         "| context | "
         + " | ".join(f"{k} ms/token (best)" for k in kinds)
         + " | "
-        + " | ".join(f"dense / {k}" for k in sparse)
+        + " | ".join(f"{full} / {k}" for k in sparse)
         + f" | read MiB/token {' / '.join(kinds)} | cache MiB {' / '.join(kinds)} |",
         "|---:|" + "---:|" * (len(kinds) + len(sparse)) + "---|---|",
     ]
     for n in contexts:
         rows = {k: results[(k, n)] for k in kinds}
-        cells = [f"{r.ms:.2f} ({r.best_ms:.2f})" for r in rows.values()] + [f"{rows['dense'].ms / rows[k].ms:.1f}x" for k in sparse]
+        cells = [f"{r.ms:.2f} ({r.best_ms:.2f})" for r in rows.values()] + [f"{rows[full].ms / rows[k].ms:.1f}x" for k in sparse]
         reads, caches = (" / ".join(f"{getattr(r, f):.{p}f}" for r in rows.values()) for f, p in (("read_mib", 2), ("cache_mib", 1)))
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {reads} | {caches} |")
     lines.append("")
-    for k in [k for k in ("moba", "nsa") if k in sparse]:
-        crossover = next((n for n in contexts if results[(k, n)].ms < results[("dense", n)].ms), None)
-        lines.append(f"{k} is faster than dense from context {crossover} on" if crossover else f"{k} was not faster than dense at any context measured")
+    for k in [k for k in sparse if kinds_lib.get(k).bounded_context]:  # the kinds whose cache grows with the context
+        crossover = next((n for n in contexts if results[(k, n)].ms < results[(full, n)].ms), None)
+        lines.append(f"{k} is faster than {full} from context {crossover} on" if crossover else f"{k} was not faster than {full} at any context measured")
     return "\n".join(lines)

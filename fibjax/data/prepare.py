@@ -295,16 +295,16 @@ def _write_stream(
         raise
     finally:
         bar.close()
-    for kind, f in files.items():
+    for split, f in files.items():
         if f.documents == 0:
             for g in files.values():
                 g.abandon()
             why = (
-                f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)" if kind == "val" and holdout else ""
+                f" (none of the documents fell in the held-out fraction {holdout}; pass --val or a larger --val-fraction)" if split == "val" and holdout else ""
             )
-            raise DataError(f"source {name!r} ({spec}) produced no {kind} document{why}")
+            raise DataError(f"source {name!r} ({spec}) produced no {split} document{why}")
     try:
-        entry = {kind: f.finish(spec) for kind, f in files.items()}
+        entry = {split: f.finish(spec) for split, f in files.items()}
     except OSError:  # a full disk can surface only when the last buffer is flushed
         for f in files.values():
             f.abandon()

@@ -2,7 +2,7 @@
 
 The decoder runs the model's own blocks (``Transformer.hidden``) with a layer mode in place of
 attention (``attend.PromptMode``, ``attend.TokenMode``): the prompt through the library's paths,
-each new token against the per-layer cache (``cache.py`` says what is cached, ``attend.py`` how
+each new token against the per-layer cache (``cache.py`` plans it; each layer's kind, ``fibjax.kinds``, says how
 it is read). RoPE positions
 are absolute. The capacity ``max_len`` fixes every cache shape, and the position is a traced
 argument, so the step compiles once per (capacity, batch, sampler) and never per token
@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from fibjax.decode import cache as cache_lib
-from fibjax.decode.attend import PromptMode, TokenMode
+from fibjax.decode.modes import PromptMode, TokenMode
 from fibjax.decode.sampling import GREEDY, Sampler
 
 Array = jax.Array

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from fibjax import kinds
 from fibjax.config import TrainConfig
 from fibjax.data.token_files import TOKENIZER_FILE
 from fibjax.data.tokenizer import Tokenizer
@@ -73,7 +74,7 @@ def context_limit(cfg: TrainConfig, max_context: int | None = None) -> int | Non
     training length for a model with dense layers, None (memory only) for offset models."""
     if max_context is not None:
         return max_context
-    return None if cfg.model.attention.kind == "offset" else cfg.seq_len
+    return cfg.seq_len if kinds.kind_of(cfg.model.attention).bounded_context else None
 
 
 def check_prompt_text(text: str) -> None:

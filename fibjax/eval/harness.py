@@ -45,6 +45,7 @@ try:
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError(f'fibjax.eval.harness needs EleutherAI\'s lm-eval: pip install -e ".[harness]" ({e})', name=e.name) from None
 
+from fibjax import kinds
 from fibjax.decode import GREEDY, Decoder, TextStreamer
 from fibjax.eval import batching
 from fibjax.eval.runner import load_run, run_tokenizer
@@ -87,7 +88,7 @@ class FibjaxLM(TemplateLM):
         # pow2 rungs are reach-matched to the forward's length: score every row at max_length,
         # the decoder's capacity, so the attended set never depends on a bucket
         acfg = self.model_cfg.attention
-        self.one_bucket = acfg.kind == "offset" and acfg.base == "pow2"
+        self.one_bucket = kinds.kind_of(acfg).length_dependent(acfg)
         self._decoder = None
 
     @classmethod

@@ -22,6 +22,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fibjax import kinds
+from fibjax.attention import alpha as alpha_lib
+
 _EVAL_NAME = re.compile(r"^(\d+)(?:-(.+))?\.json$")
 _REQUIRED = ("run", "step", "train_seq_len", "lengths", "attention", "alphas", "datasets")
 _ROW_KEYS = ("length", "tokens", "nll", "ppl", "bin_nll")
@@ -51,29 +54,27 @@ class RunEval:
     def at_train_len(self, dataset: str) -> dict | None:
         return next((r for r in self.rows(dataset) if r["length"] == self.train_len), None)
 
+    def attention_config(self):
+        """The run's AttentionConfig, or None when this fibjax cannot read it (a kind not registered here)."""
+        from fibjax.config import AttentionConfig, ConfigError, from_dict
+
+        try:
+            return from_dict(AttentionConfig, self.report["attention"])
+        except ConfigError:
+            return None
+
     def attention_label(self) -> str:
-        a = self.report["attention"]
-        if a.get("kind") != "offset":
-            text = str(a.get("kind", "?"))
-        else:
-            alpha = a["alpha"] if isinstance(a["alpha"], str) else "explicit"
-            learned = " (learned)" if a.get("learn_alpha") and alpha != "learned" else ""
-            base = a["base"] if isinstance(a["base"], str) else "explicit"
-            text = f"{base} W{a['window']} {alpha}{learned}"
+        acfg = self.attention_config()
+        text = kinds.kind_of(acfg).label(acfg) if acfg is not None else str(self.report["attention"].get("kind", "?"))
         return text + (" [override]" if self.report.get("attention_override") else "")
 
     def initial_alphas(self) -> list[float] | None:
-        """The initial alphas of a learned run (recorded, or else from its schedule); None otherwise."""
+        """The initial alphas of a learned run: recorded, or else as the model really started them
+        (``fibjax.attention.alpha.initial_alphas``, the evaluator's rule); None otherwise."""
         if self.report.get("alpha_init"):
             return [float(x) for x in self.report["alpha_init"]]
-        a = self.report["attention"]
-        if a.get("kind") != "offset" or not (a.get("alpha") == "learned" or a.get("learn_alpha")):
-            return None
-        if not isinstance(a["alpha"], str):
-            return [float(x) for x in a["alpha"]]
-        from fibjax.attention.offsets import alpha_schedule
-
-        return list(alpha_schedule(a["alpha"], len(self.report["alphas"])))
+        acfg = self.attention_config()
+        return None if acfg is None else alpha_lib.initial_alphas(acfg, len(self.report["alphas"]))
 
 
 @dataclass

@@ -20,15 +20,14 @@ import jax
 import numpy as np
 
 from fibjax import data as data_lib
-from fibjax import distributed
-from fibjax.attention import offsets
+from fibjax import distributed, kinds
+from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
 from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.eval import batching
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
-from fibjax.model import logit_to_alpha
 from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, load_run_config, pinned_tokenizer
 from fibjax.train.loop import resolve_data_dir
 
@@ -100,15 +99,13 @@ def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, ob
 
     Weights carry over unchanged; a learned layer's alpha_logit is dropped when the override has
     none, and created from the override's schedule when the override learns alpha."""
-    from fibjax.attention.offsets import alpha_to_logit
-
     model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
-    alphas = attention.layer_alphas(model_cfg.num_layers) if attention.kind == "offset" else None
     blocks = {}
     for i, block in run.params["blocks"].items():
-        attn = {k: v for k, v in block["attn"].items() if k != "alpha_logit"}
+        attn = {k: v for k, v in block["attn"].items() if k != alpha_lib.PARAM}
         if attention.is_learned:
-            attn["alpha_logit"] = block["attn"].get("alpha_logit", np.float32(alpha_to_logit(alphas[i])))
+            start = alpha_lib.alpha_to_logit(attention.layer_alphas(model_cfg.num_layers)[i])
+            attn[alpha_lib.PARAM] = block["attn"].get(alpha_lib.PARAM, np.float32(start))
         blocks[i] = {**block, "attn": attn}
     return {**run.params, "blocks": blocks}, model_cfg
 
@@ -143,7 +140,7 @@ def evaluate_run(
     dropped_mass: bool = False,
 ) -> dict:
     params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
-    alphas = layer_alphas(params, model_cfg)
+    alphas = alpha_lib.layer_alphas(params, model_cfg.attention, model_cfg.num_layers)
     frozen_params, frozen_cfg = frozen_alphas(params, model_cfg, alphas)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
     mesh = eval_mesh(run.cfg)
@@ -170,7 +167,7 @@ def evaluate_run(
         "attention_override": attention is not None,
         "rope": rope_setting(model_cfg),
         "alphas": alphas,
-        "alpha_init": initial_alphas(model_cfg),
+        "alpha_init": alpha_lib.initial_alphas(model_cfg.attention, model_cfg.num_layers),
         "datasets": results,
         "new_distances": {str(n): new_distances(model_cfg.attention, alphas, run.cfg.seq_len, n) for n in lengths},
     }
@@ -186,7 +183,7 @@ def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[
     if not model_cfg.attention.is_learned:
         return params, model_cfg
     frozen = dataclasses.replace(model_cfg.attention, alpha=tuple(alphas), learn_alpha=False, interpolate=True)
-    blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != "alpha_logit"}} for i, b in params["blocks"].items()}
+    blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != alpha_lib.PARAM}} for i, b in params["blocks"].items()}
     return {**params, "blocks": blocks}, dataclasses.replace(model_cfg, attention=frozen)
 
 
@@ -227,64 +224,33 @@ def inference_overrides(cfg: TrainConfig, mode: str | None, *, num_blocks: int |
     run: paper B's "attention gap") MoBA blocks with the config's block budget."""
     out = []
     if mode == "full":
-        out.append("kind=dense")
+        out.append(f"kind={kinds.FULL}")
     elif mode == "sparse":
         own = cfg.model.attention.kind
-        out.append(f"kind={cfg.ssa.sparse_kind if cfg.ssa.enabled else own if own != 'dense' else 'block_sparse'}")
+        out.append(f"kind={cfg.ssa.sparse_kind if cfg.ssa.enabled else own if kinds.get(own).sparse else kinds.DEFAULT_SPARSE}")
     elif mode is not None:
         raise EvalError(f"--inference-mode must be full or sparse, got {mode!r}")
     if num_blocks is not None:
         out.append(f"num_blocks={num_blocks}")
     if block_size is not None:
         out.append(f"block_size={block_size}")
-    kind = apply_overrides(cfg.model.attention, out).kind
-    if (num_blocks or block_size) and kind not in ("block_sparse", "nsa"):
+    name = apply_overrides(cfg.model.attention, out).kind
+    kind = kinds.get(name)
+    if (num_blocks or block_size) and not kind.block_budget:
         raise ConfigError(
-            f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {kind!r} "
+            f"--num-blocks/--block-size set a block-sparse budget, but the evaluated attention is {name!r} "
             "(use --inference-mode sparse on a run whose sparse attention is block-sparse, or --attention kind=block_sparse)"
         )
-    if block_size and kind == "nsa":
-        raise ConfigError("--block-size: NSA's compression parameters are sized by the trained block size; change --num-blocks only")
+    if block_size and kind.fixed_block_size:
+        raise ConfigError(f"--block-size: {name}'s parameters are sized by the trained block size; change --num-blocks only")
     return out
-
-
-def reachable_distances(acfg: AttentionConfig, alpha: float | None, seq_len: int) -> set[int]:
-    """Query-key distances a layer can attend at ``seq_len``: all of them for dense and block-sparse
-    (selection is by content), the static set for offsets, and {lo, lo + 1} of each active rung plus
-    the window for learned (interpolated) layers at ``alpha``."""
-    if acfg.kind != "offset":
-        return set(range(seq_len))
-    if not acfg.is_learned:
-        return set(offsets.attended_distances(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len))
-    spec = offsets.rung_taps(window=acfg.window, base=acfg.bounded_base, alpha=alpha, seq_len=seq_len)
-    far = {d for _, lo, _ in spec for d in (lo, lo + 1) if d <= seq_len - 1}
-    return set(range(min(acfg.window, seq_len - 1) + 1)) | far
 
 
 def new_distances(acfg: AttentionConfig, alphas: list[float | None], train_len: int, length: int) -> list[int]:
     """Per layer: how many distances attended at ``length`` were never attended at ``train_len``
     (with the layer's current alpha). 0 means the layer only meets trained relative positions."""
-    return [len(reachable_distances(acfg, a, length) - reachable_distances(acfg, a, train_len)) for a in alphas]
-
-
-def initial_alphas(model_cfg) -> list[float] | None:
-    """A learned run's starting alphas as the model really started them (pulled into
-    [0.55, 1.45] by alpha_to_logit); None for a run without learned alpha."""
-    from fibjax.attention.offsets import alpha_to_logit
-
-    acfg = model_cfg.attention
-    if not acfg.is_learned:
-        return None
-    return [float(logit_to_alpha(alpha_to_logit(a))) for a in acfg.layer_alphas(model_cfg.num_layers)]
-
-
-def layer_alphas(params: dict, model_cfg) -> list[float | None]:
-    acfg = model_cfg.attention
-    if acfg.kind != "offset":
-        return [None] * model_cfg.num_layers
-    if not acfg.is_learned:
-        return list(acfg.layer_alphas(model_cfg.num_layers))
-    return [float(logit_to_alpha(params["blocks"][i]["attn"]["alpha_logit"])) for i in range(model_cfg.num_layers)]
+    kind = kinds.kind_of(acfg)
+    return [len(kind.reachable(acfg, a, length) - kind.reachable(acfg, a, train_len)) for a in alphas]
 
 
 ROPE_KEYS = {"theta": "rope_theta", "scaling": "rope_scaling", "factor": "rope_factor", "original_len": "rope_original_len"}

@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from fibjax.model import logit_to_alpha
 from fibjax.probe import geometry, soft_width
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, forced_choice_correct, marked_batch, marked_correct, max_retrieval_distance, retrieval_batch
 from fibjax.train import sharding, step
@@ -141,17 +141,13 @@ class CellSpec:
 
 
 def layer_alphas(params, attention: AttentionConfig, depth: int) -> list[float]:
-    """Every layer's alpha (learned: 0.5 + sigmoid(alpha_logit); static offsets: the schedule); [] for dense."""
-    if attention.kind != "offset":
-        return []
-    if not attention.is_learned:
-        return list(attention.layer_alphas(depth))
-    return [float(logit_to_alpha(params["blocks"][i]["attn"]["alpha_logit"])) for i in range(depth)]
+    """Every layer's alpha (``fibjax.attention.alpha.layer_alphas``); [] for kinds without alpha."""
+    return alpha_lib.layer_alphas(params, attention, depth) if attention.has_alpha else []
 
 
 def _geometry(spec: CellSpec, alphas: list[float]) -> dict:
     attention = spec.attention()
-    if attention.kind != "offset":
+    if not attention.has_alpha:
         return {}
     sets = geometry.layer_distances(attention, spec.depth, spec.seq_len, alphas)
     return {

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import math
 
+from fibjax import kinds
+from fibjax.attention import alpha as alpha_lib
 from fibjax.attention import offsets
 from fibjax.config import AttentionConfig
 from fibjax.probe.tasks import Band
 
 
 def layer_distances(attention: AttentionConfig, num_layers: int, seq_len: int, alphas=None) -> list[tuple[int, ...]]:
-    """Per layer, the sorted distances it attends at ``seq_len`` (static rule: round(alpha f)).
-    ``alphas`` replaces the schedule (a learned model's current values); dense: every distance."""
-    if attention.kind == "dense":
-        return [tuple(range(seq_len))] * num_layers
-    if attention.kind != "offset":
-        raise ValueError(f"no fixed distance set for attention kind {attention.kind!r}")
-    alphas = attention.layer_alphas(num_layers) if alphas is None else alphas
-    return [offsets.attended_distances(window=attention.window, base=attention.bounded_base, alpha=float(a), seq_len=seq_len) for a in alphas]
+    """Per layer, the sorted distances it attends at ``seq_len`` (offsets: the static rule
+    round(alpha f), also for a learned layer at its current alpha). ``alphas`` replaces the
+    schedule (a learned model's current values); dense: every distance."""
+    kind = kinds.kind_of(attention)
+    if not attention.has_alpha:
+        alphas = [None] * num_layers
+    elif alphas is None:
+        alphas = attention.layer_alphas(num_layers)
+    sets = [kind.attended(attention, None if a is None else float(a), seq_len) for a in alphas]
+    if any(s is None for s in sets):
+        raise ValueError(f"no fixed distance set for attention kind {attention.kind!r} (its keys are chosen by content)")
+    return sets
 
 
 def stack_reach(sets: list[tuple[int, ...]], seq_len: int) -> set[int]:
@@ -42,7 +48,7 @@ def alphas_for(distance: int, *, window: int, base, seq_len: int) -> list[tuple[
         return []
     out = []
     for f in offsets.base_rungs(base, seq_len):
-        lo, hi = max((distance - 0.5) / f, offsets.ALPHA_MIN), min((distance + 0.5) / f, offsets.ALPHA_MAX)
+        lo, hi = max((distance - 0.5) / f, alpha_lib.ALPHA_MIN), min((distance + 0.5) / f, alpha_lib.ALPHA_MAX)
         if lo < hi:
             out.append((f, lo, hi))
     return out

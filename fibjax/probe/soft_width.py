@@ -12,7 +12,7 @@ d alpha is non-zero; w anneals to 0.5, where the bias is the hard attended set a
 uses the model's ordinary interpolated path at the alpha training reached, so any accuracy is
 the sparse model's own. (The reference's ``spacing.py`` relaxes the same way.)
 
-The forward runs the model's own submodules (as ``fibjax.decode.attend`` does), and the step
+The forward runs the model's own submodules (as the decoder's layer modes do), and the step
 reuses the Trainer's optimizer, ``step.split_batch`` and ``step.cross_entropy``.
 """
 

@@ -18,8 +18,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from fibjax.attention.alpha import PARAM, logit_to_alpha
 from fibjax.config import TrainConfig
-from fibjax.model import SSAStreams, Transformer, alpha_mask, logit_to_alpha
+from fibjax.model import SSAStreams, Transformer, alpha_mask
 from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
@@ -119,4 +120,4 @@ def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
 
 def learned_alphas(params) -> dict[str, jax.Array]:
     """{"layer_3": alpha} for every learned layer (alpha = 0.5 + sigmoid(alpha_logit))."""
-    return {f"layer_{i}": logit_to_alpha(block["attn"]["alpha_logit"]) for i, block in params["blocks"].items() if "alpha_logit" in block["attn"]}
+    return {f"layer_{i}": logit_to_alpha(block["attn"][PARAM]) for i, block in params["blocks"].items() if PARAM in block["attn"]}

@@ -1,0 +1,68 @@
+"""Attention kinds by name: the one place that maps ``model.attention.kind`` to its object.
+
+The built-in kinds are imported on first use (their modules load JAX), so the config can
+validate a kind's name without starting JAX. A kind of your own is one object registered by name:
+
+>>> from fibjax.kinds import registry
+>>> registry.register(MyKind())          # doctest: +SKIP
+>>> AttentionConfig(kind="my_kind")      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fibjax.kinds.base import AttentionKind
+
+# name -> "module:attribute" of the built-in kinds, imported when first asked for
+_BUILTIN = {
+    "dense": "fibjax.kinds.dense:DENSE",
+    "offset": "fibjax.kinds.offset:OFFSET",
+    "block_sparse": "fibjax.kinds.block_sparse:BLOCK_SPARSE",
+    "nsa": "fibjax.kinds.nsa:NSA_KIND",
+}
+_KINDS: dict[str, AttentionKind] = {}
+
+# --inference-mode full: every key (the kind SSA's full stream runs)
+FULL = "dense"
+# The sparse attention a dense-trained model is evaluated under by --inference-mode sparse
+# (paper B's "attention gap": MoBA blocks with the config's block budget).
+DEFAULT_SPARSE = "block_sparse"
+
+
+def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
+    """Make ``kind`` available as ``model.attention.kind=<kind.name>``."""
+    name = kind.name
+    if not replace and name in names() and get(name) is not kind:
+        raise ValueError(f"an attention kind named {name!r} is already registered (pass replace=True to replace it)")
+    _KINDS[name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    """Remove a kind registered with :func:`register` (a test's toy kind, say)."""
+    if name in _BUILTIN:
+        raise ValueError(f"{name!r} is a built-in attention kind")
+    _KINDS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(dict.fromkeys((*_BUILTIN, *_KINDS)))
+
+
+def get(name: str) -> AttentionKind:
+    """The kind registered as ``name`` (KeyError naming the known kinds otherwise)."""
+    if name not in _KINDS:
+        if name not in _BUILTIN:
+            raise KeyError(f"unknown attention kind {name!r}; known: {', '.join(names())}")
+        module, attr = _BUILTIN[name].split(":")
+        _KINDS[name] = getattr(importlib.import_module(module), attr)
+    return _KINDS[name]
+
+
+def kind_of(acfg) -> AttentionKind:
+    """The kind that runs an ``AttentionConfig`` (a kind may hand a config to a variant: offsets
+    with learned or interpolated alpha run as the interpolated kind)."""
+    return get(acfg.kind).resolve(acfg)
