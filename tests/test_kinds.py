@@ -164,6 +164,9 @@ def test_model_config_asks_the_kind_whether_its_layers_can_scan():
 
 
 def test_loading_a_config_needs_no_kind_module():
-    code = "import sys, fibjax.config; fibjax.config.load_config_file('configs/cpu/fib_stagger_w8.py'); print(sorted(m for m in sys.modules if m.startswith('fibjax.kinds.') and m != 'fibjax.kinds.registry'))"
+    code = (
+        "import sys, fibjax.config; fibjax.config.load_config_file('configs/cpu/fib_stagger_w8.py'); "
+        "print(sorted(m for m in sys.modules if m.startswith('fibjax.kinds.') and m != 'fibjax.kinds.registry'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
