@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             params, model_cfg = run.params, run.cfg.model
         # a learned run's alphas compiled as constants (the static path's cost), as launch.eval does
-        params, model_cfg = runner.frozen_alphas(params, model_cfg, runner.layer_alphas(params, model_cfg))
+        params, model_cfg = runner.frozen_alphas(params, model_cfg)
         result = passkey.passkey_grid(
             model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size, mesh=runner.eval_mesh(run.cfg)
         )

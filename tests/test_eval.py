@@ -86,7 +86,6 @@ def test_new_distances_count_what_training_never_attended():
 
 def test_a_learned_run_evaluates_frozen_with_the_numbers_of_its_traced_alphas(runs):
     """Evaluation compiles a learned run's final alphas as constants; the NLL is the traced path's."""
-    from fibjax.attention.alpha import layer_alphas
     from fibjax.config import AttentionConfig
     from fibjax.eval.perplexity import evaluate_lengths
 
@@ -95,7 +94,7 @@ def test_a_learned_run_evaluates_frozen_with_the_numbers_of_its_traced_alphas(ru
     params, cfg = runner.with_attention(run, learned)
     stream = runner.dataset_streams(run, None)["python_docs"]
     traced = evaluate_lengths(cfg, params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
-    frozen_params, frozen_cfg = runner.frozen_alphas(params, cfg, layer_alphas(params, cfg.attention, cfg.num_layers))
+    frozen_params, frozen_cfg = runner.frozen_alphas(params, cfg)
     assert frozen_cfg.attention.interpolate and not frozen_cfg.attention.is_learned and "alpha_logit" not in frozen_params["blocks"][0]["attn"]
     frozen = evaluate_lengths(frozen_cfg, frozen_params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
     for a, b in zip(traced, frozen):

@@ -141,7 +141,7 @@ def evaluate_run(
 ) -> dict:
     params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
     alphas = alpha_lib.layer_alphas(params, model_cfg.attention, model_cfg.num_layers)
-    frozen_params, frozen_cfg = frozen_alphas(params, model_cfg, alphas)
+    frozen_params, frozen_cfg = frozen_alphas(params, model_cfg)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
     mesh = eval_mesh(run.cfg)
     results, masses, laws = {}, {}, {}
@@ -177,11 +177,12 @@ def evaluate_run(
     return report
 
 
-def frozen_alphas(params: dict, model_cfg, alphas: list[float | None]) -> tuple[dict, object]:
+def frozen_alphas(params: dict, model_cfg) -> tuple[dict, object]:
     """A learned run as evaluation runs it: its final alphas compiled as constants (the same
     interpolated rungs, static shifts: the static path's cost) instead of traced parameters."""
     if not model_cfg.attention.is_learned:
         return params, model_cfg
+    alphas = alpha_lib.layer_alphas(params, model_cfg.attention, model_cfg.num_layers)
     frozen = dataclasses.replace(model_cfg.attention, alpha=tuple(alphas), learn_alpha=False, interpolate=True)
     blocks = {i: {**b, "attn": {k: v for k, v in b["attn"].items() if k != alpha_lib.PARAM}} for i, b in params["blocks"].items()}
     return {**params, "blocks": blocks}, dataclasses.replace(model_cfg, attention=frozen)
