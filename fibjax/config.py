@@ -35,9 +35,12 @@ class AttentionConfig:
     offset (paper A) | block_sparse (MoBA, paper B) | nsa (NSA, paper B's gated baseline:
     compressed blocks + selected blocks + window) | one of your own."""
 
+    # dense | offset | block_sparse | nsa: the attention every layer runs (see the class docstring)
     kind: str = "dense"
     # offset: the dense local window {0..W}; nsa: the window branch's keys i-W .. i
     window: int = 12
+    # offset: the rungs f scaled by alpha: fibonacci (1, 2, 3, 5, ..., 987), pow2 (every power of two
+    # below the evaluated length) or explicit positive ints
     base: str | tuple[int, ...] = "fibonacci"
     # keep only rungs <= max_rung (0: the whole list); stored with the run, so evaluation at a
     # longer length keeps the trained rungs. Not for pow2 (reach-matched by definition).
@@ -49,11 +52,11 @@ class AttentionConfig:
     # the learned path's interpolated rungs with fixed alphas: how a learned run is evaluated
     # and decoded after training (its final alphas compiled as constants, same numbers, faster)
     interpolate: bool = False
-    # block_sparse and nsa: keys per block (nsa: also the compression block) and blocks per query
-    # (the own block included)
+    # block_sparse and nsa: keys per block (nsa: also the compression block)
     block_size: int = 16
+    # block_sparse and nsa: blocks each query attends, its own block included
     num_blocks: int = 16
-    # how block_sparse ranks earlier blocks: mean_key = (sum of the group's q) . mean key (issue 5);
+    # how block_sparse ranks earlier blocks: mean_key = (sum of the group's q) . mean key;
     # nsa_prob = sum over the group of per-head softmax probabilities (NSA's rule; nsa always uses it)
     block_rank: str = "mean_key"
     # build NSA's parameters (gates, compression) though kind != nsa: SSA with ssa.sparse_kind=nsa,
@@ -118,21 +121,35 @@ REMAT_POLICIES = ("none", "full", "dots")
 class ModelConfig:
     """The decoder-only LM. 0 for head_dim / mlp_hidden means "derive from d_model"."""
 
+    # rows of the (tied) embedding: at least the tokenizer's vocabulary
     vocab_size: int = 32768
+    # width of the residual stream
     d_model: int = 512
+    # transformer blocks
     num_layers: int = 16
+    # query heads per layer
     num_heads: int = 8
+    # key/value heads per layer (grouped-query attention); must divide num_heads
     num_kv_heads: int = 2
+    # per-head width (0: d_model // num_heads); must be even (RoPE rotates pairs)
     head_dim: int = 0
+    # SwiGLU hidden width (0: 8/3 d_model, rounded up to even)
     mlp_hidden: int = 0
+    # RoPE base: head-dim pair i rotates at rope_theta^(-2i/head_dim) per position
     rope_theta: float = 10000.0
     # RoPE scaling for a longer context (training, evaluation and decoding alike): none | ntk
     # (theta raised) | linear (position interpolation) | yarn (needs rope_original_len)
     rope_scaling: str = "none"
+    # how many times longer the context becomes under rope_scaling (>= 1)
     rope_factor: float = 1.0
+    # yarn: the length the model was pre-trained at (0: unset)
     rope_original_len: int = 0
+    # epsilon of every RMSNorm
     norm_eps: float = 1e-6
+    # float32 | bfloat16: the dtype activations and matmuls compute in (softmax statistics and
+    # the loss stay float32)
     dtype: str = "float32"
+    # float32 | bfloat16: the dtype parameters (and the optimizer's moments) are stored in
     param_dtype: str = "float32"
     # activation checkpointing of each block: none | full (store only the block's input) | dots
     # (keep the matmul outputs, recompute the rest); true/false are read as full/none
@@ -184,9 +201,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training data. ``path``: a directory written by ``python -m launch.prepare_data``;
-    empty means the embedded default corpus (prepared into ``<workdir>/data`` on first use)."""
+    """Training data: the prepared directory to read and how its sources mix."""
 
+    # a directory written by python -m launch.prepare_data; "" = the embedded corpus, prepared
+    # into <workdir>/data on first use
     path: str = ""
     # "fineweb=0.35,wikipedia=0.22,..." sampling weights by source name; "" = proportional to tokens
     weights: str = ""
@@ -226,14 +244,22 @@ class OptimConfig:
     Weight decay applies to matrices (ndim >= 2) only: not to norms or the learned alpha
     scalars (as in the reference); the alpha scalars get ``alpha_lr_multiplier`` x the lr."""
 
+    # peak learning rate, reached at the end of the warm-up
     lr: float = 3e-4
+    # steps of linear warm-up from 0 to lr
     warmup_steps: int = 300
     final_lr_ratio: float = 0.1  # cosine decays to this fraction of lr (the reference's 10%)
+    # AdamW's first-moment decay
     b1: float = 0.9
+    # AdamW's second-moment decay
     b2: float = 0.95
+    # AdamW's epsilon
     eps: float = 1e-8
+    # decoupled weight decay (matrices only)
     weight_decay: float = 0.1
+    # gradients are clipped to this global norm
     clip_norm: float = 1.0
+    # the learned alpha scalars train at this multiple of the learning rate (0: frozen)
     alpha_lr_multiplier: float = 1.0
 
     def __post_init__(self):
@@ -248,12 +274,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axes; -1 fills with the devices left over (at most one axis may be -1).
-    ``devices``: how many devices the mesh takes, the first ones (0: all; a one-process job only)."""
+    """Device mesh axes; -1 fills with the devices left over (at most one axis may be -1)."""
 
+    # data parallelism: the batch is split over data x fsdp; parameters are replicated along it
     data: int = -1
+    # fully sharded data parallelism: splits the batch and each parameter's d_model dimension
     fsdp: int = 1
+    # tensor parallelism: splits heads, the MLP hidden dimension and the vocabulary
     tensor: int = 1
+    # the first N devices only (0: every device); a one-process job only
     devices: int = 0
 
     def __post_init__(self):
@@ -265,8 +294,13 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """Orbax checkpoints in ``<workdir>/checkpoints/<step>``: train state and data-iterator position."""
+
+    # save every N steps; the last step and a stop (SIGTERM, Ctrl-C) always save too
     every_steps: int = 500
+    # keep the newest N finished checkpoints, deleting older ones
     keep: int = 3
+    # write in the background while training continues (a failure is reported at the next step)
     async_save: bool = True
 
     def __post_init__(self):
@@ -278,14 +312,19 @@ class CheckpointConfig:
 class EvalConfig:
     """The extrapolation evaluation run at the end of training (and by ``launch.eval``)."""
 
+    # launch.train evaluates the final checkpoint before it exits, writing <workdir>/eval/<step>.json
     at_end: bool = True
+    # evaluated lengths as multiples of seq_len (launch.eval --lengths overrides)
     length_multipliers: tuple[int, ...] = (1, 2, 4)
     # validation tokens scored per dataset at every length (cut to a multiple of the longest length)
     max_tokens: int = 65536
+    # rows of seq_len tokens per forward pass: eval batches hold batch_size x seq_len tokens at
+    # every length (fewer, longer rows beyond 1x)
     batch_size: int = 4
     # validation curves during training: every N steps, the mean NLL at the training length on
     # the first ``curve_tokens`` tokens of each validation source, logged as val/<source> (0: off)
     every_steps: int = 0
+    # tokens of each validation source scored for a validation-curve point
     curve_tokens: int = 32768
 
     def __post_init__(self):
@@ -305,9 +344,14 @@ class SSAConfig:
     block_sparse (MoBA blocks, the paper), offset (Fibonacci offsets: "ssa_fib") or nsa (needs
     ``model.attention.nsa_params=true``: the model's own attention is the dense full stream)."""
 
+    # train with paper B's two streams and alignment loss (model.attention.kind must be dense)
     enabled: bool = False
+    # block_sparse | offset | nsa: the attention of the sparse stream
     sparse_kind: str = "block_sparse"
+    # weight of the alignment loss added to the cross-entropy
     align_weight: float = 10.0
+    # probability that a step runs the sparse stream (else the full one; every layer computes
+    # the other stream too, for the alignment loss)
     sparse_prob: float = 0.5
 
     def __post_init__(self):
@@ -325,11 +369,18 @@ class SSAConfig:
 class TrainConfig:
     """Everything a run needs; saved as ``<workdir>/config.json``."""
 
+    # the run's name: its default workdir (runs/<name>) and its label in reports
     name: str = "run"
+    # seeds the parameter initialisation, the data order and SSA's stream choice
     seed: int = 42
+    # optimizer steps in all; may grow when resuming (the cosine schedule then changes)
     steps: int = 1000
+    # training length in tokens (evaluation lengths are multiples of it)
     seq_len: int = 256
+    # sequences per step over the whole job; must divide by the processes and by data x fsdp
     global_batch: int = 16
+    # steps between progress-bar loss updates (metrics.jsonl gets every step) and between the
+    # processes' checks for a stop request in a multi-process job
     log_every: int = 10
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
