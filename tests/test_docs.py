@@ -91,9 +91,16 @@ def test_check_mode_fails_on_a_stale_reference(tmp_path, monkeypatch, capsys):
     assert config_reference.main(["--check"]) == 0
 
 
-def _run_doctests(path: Path) -> doctest.TestResults:
-    parser = doctest.DocTestParser()
-    test = parser.get_doctest(path.read_text(), {}, path.name, str(path), 0)
+ATTENTION_REFERENCE = DOCS / "reference" / "attention.md"
+
+
+def _run_doctests(path: Path, stop_at: str | None = None) -> doctest.TestResults:
+    """The page's ``>>>`` examples in order, in one namespace, up to the line ``stop_at`` (all: None)."""
+    text = path.read_text()
+    if stop_at is not None:
+        assert stop_at in text.splitlines(), stop_at
+        text = text[: text.index(f"\n{stop_at}\n")]
+    test = doctest.DocTestParser().get_doctest(text, {}, path.name, str(path), 0)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     out = io.StringIO()
     runner.run(test, out=out.write)
@@ -101,15 +108,23 @@ def _run_doctests(path: Path) -> doctest.TestResults:
     return runner.summarize(verbose=False)
 
 
+def test_attention_reference_examples_run_up_to_the_first_path():
+    """The fast tier's share: the conventions, the attended set and offset_attention (about 3 s of
+    CPU with a cold compilation cache; the whole page takes about 15 s: slow tier)."""
+    results = _run_doctests(ATTENTION_REFERENCE, stop_at="### `interpolated_attention(q, k, v, *, window, base, alpha, return_lse=False, implementation=None)`")
+    assert results.attempted >= 20
+
+
+@slow
 def test_attention_reference_examples_run():
-    results = _run_doctests(DOCS / "reference" / "attention.md")
+    results = _run_doctests(ATTENTION_REFERENCE)
     assert results.attempted >= 40
 
 
 def test_attention_reference_names_every_public_function():
     import fibjax.attention as fa
 
-    text = (DOCS / "reference" / "attention.md").read_text()
+    text = ATTENTION_REFERENCE.read_text()
     assert [name for name in fa.__all__ if f"`{name}" not in text] == []
 
 
