@@ -35,7 +35,8 @@ class AttentionConfig:
     offset (paper A) | block_sparse (MoBA, paper B) | nsa (NSA, paper B's gated baseline:
     compressed blocks + selected blocks + window) | one of your own."""
 
-    # dense | offset | block_sparse | nsa: the attention every layer runs (see the class docstring)
+    # the attention every layer runs: a kind registered in fibjax.kinds (dense | offset |
+    # block_sparse | nsa, or one of your own)
     kind: str = "dense"
     # offset: the dense local window {0..W}; nsa: the window branch's keys i-W .. i
     window: int = 12
@@ -346,7 +347,7 @@ class SSAConfig:
 
     # train with paper B's two streams and alignment loss (model.attention.kind must be dense)
     enabled: bool = False
-    # block_sparse | offset | nsa: the attention of the sparse stream
+    # the sparse stream's attention: a registered sparse kind (block_sparse | offset | nsa)
     sparse_kind: str = "block_sparse"
     # weight of the alignment loss added to the cross-entropy
     align_weight: float = 10.0

@@ -133,12 +133,21 @@ def _python_blocks(path: Path) -> list[str]:
 
 
 @slow
-def test_attention_guide_code_runs():
+def test_attention_guide_code_runs(tmp_path, monkeypatch):
+    """The guide's code as one script, in a scratch directory (it trains a run in runs/recent);
+    the attention kind it registers is removed afterwards, so other tests see the built-in ones."""
+    from fibjax import kinds
+
     blocks = _python_blocks(DOCS / "guides" / "attention-in-your-model.md")
-    assert len(blocks) >= 3
+    assert len(blocks) >= 4
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "attention_guide"}
-    for block in blocks:
-        exec(compile(block, "attention-in-your-model.md", "exec"), namespace)
+    try:
+        for block in blocks:
+            exec(compile(block, "attention-in-your-model.md", "exec"), namespace)
+    finally:
+        kinds.unregister("recent")
+    assert (tmp_path / "runs" / "recent" / "eval" / "6-len_32_64.json").is_file()
 
 
 # --- links and commands -----------------------------------------------------------------------
