@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fibjax import config as config_module
+from fibjax import config_reference
 from tests.tiers import slow
-from tools import config_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -25,7 +25,7 @@ PAGES = sorted(DOCS.rglob("*.md"))
 
 def test_config_reference_is_current():
     committed = (DOCS / "reference" / "config.md").read_text()
-    assert committed == config_reference.render(), "docs/reference/config.md is stale: run python -m tools.config_reference"
+    assert committed == config_reference.render(), "docs/reference/config.md is stale: run python -m fibjax.config_reference"
 
 
 def test_config_reference_covers_every_field():

@@ -1,1 +1,0 @@
-"""Maintainer tools run from the repository root (``python -m tools.NAME``); not installed with fibjax."""
