@@ -316,15 +316,12 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
             if path.exists():
                 continue
             say(f"[{run.name}] evaluating {' '.join(args)}")
-            before = set((run_dir / "eval").glob("*.json"))
             started = time.time()
-            code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps), *args], log)
+            tag = path.stem.split("-", 1)[1]  # the study's own name for it, so "done" is decidable
+            code = _child([sys.executable, "-m", "launch.eval", "--workdir", str(run_dir), "--step", str(cfg.steps), *args, "--tag", tag], log)
             _add_time(run_dir, "eval_s", time.time() - started)
             if code != 0:
                 raise StudyError(f"{run.name}: evaluation {' '.join(args)} failed (exit {code}); see {log}")
-            new = sorted(set((run_dir / "eval").glob("*.json")) - before, key=lambda p: p.stat().st_mtime)
-            if new:  # keep the study's own name for it, so "done" is decidable
-                new[-1].rename(path)
     finally:
         lock.unlink(missing_ok=True)
 

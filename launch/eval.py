@@ -44,8 +44,8 @@ def _positive(text: str) -> int:
 
 
 def _tag(text: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9_.+=-]+", text):
-        raise argparse.ArgumentTypeError(f"a tag is part of a file name: letters, digits and _.+=- only, got {text!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.,+=-]+", text):
+        raise argparse.ArgumentTypeError(f"a tag is part of a file name: letters, digits and _.,+=- only, got {text!r}")
     return text
 
 

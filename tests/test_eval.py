@@ -235,3 +235,19 @@ def test_a_block_budget_on_a_run_without_block_sparse_attention_is_an_error(runs
     assert "block-sparse budget" in capsys.readouterr().err
     after = sorted((runs["fib"] / "eval").glob("*.json")) if (runs["fib"] / "eval").exists() else []
     assert after == before  # nothing written under a name that claims a budget
+
+
+def test_dropped_mass_or_a_token_cap_never_replaces_the_end_of_training_report(runs):
+    """At the default lengths, --dropped-mass and --max-tokens wrote eval/<step>.json over the
+    end-of-training report; each setting now has its own file."""
+    from launch.eval import main
+
+    run = runs["fib"]
+    assert main(["--workdir", str(run)]) == 0  # the report of the run's own settings
+    base = next(p for p in (run / "eval").iterdir() if p.name.split(".")[0].isdigit())
+    before = base.read_text()
+    assert main(["--workdir", str(run), "--max-tokens", "512"]) == 0
+    assert main(["--workdir", str(run), "--dropped-mass", "--max-tokens", "512"]) == 0
+    assert base.read_text() == before
+    names = {p.name for p in (run / "eval").iterdir()}
+    assert {f"{base.stem}-tokens_512.json", f"{base.stem}-tokens_512-dropped_mass.json"} <= names

@@ -315,6 +315,8 @@ def evaluate_workdir(
     if tag is None:
         parts = [a.replace("=", "_") for a in [*(attention_overrides or []), *(f"rope_{r}" for r in rope or [])]] + sorted(f"data_{k}" for k in specs or {})
         parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
+        parts += [f"tokens_{max_tokens}"] if max_tokens and max_tokens != run.cfg.eval.max_tokens else []
+        parts += ["dropped_mass"] if dropped_mass else []
         tag = "-".join(p.replace("/", "_") for p in parts)
     return report, distributed.on_main(lambda: write_report(workdir, report, tag), "writing the evaluation report")
 
