@@ -119,7 +119,7 @@ def test_eval_rope_overrides(source_run, capsys):
     assert path.endswith("6-identity.json")
     np.testing.assert_allclose(identity, base, rtol=0, atol=1e-6)  # a factor of 1 is the identity
     path, report, scaled = nll("--rope", "scaling=linear", "factor=2.0")
-    assert path.endswith("6-rope_scaling_linear-rope_factor_2.0-len_32_64.json"), path
+    assert path.endswith("6-rope_scaling_linear-rope_factor_2.0-len_32_64-tokens_2048.json"), path
     assert report["rope"]["scaling"] == "linear" and report["rope"]["factor"] == 2.0 and base_report["rope"]["scaling"] == "none"
     assert not np.allclose(scaled, base, atol=1e-3)
 
