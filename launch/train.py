@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from launch import processes
+from launch._args import parse_with_overrides
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
 # array or scheduler requeues it (0 would read as finished)
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)",
     )
     processes.add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.attention.window=8 steps=200")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, anywhere among the flags, e.g. model.attention.window=8 steps=200")
+    args = parse_with_overrides(parser, argv)
     processes.apply(parser, args)  # before anything initialises JAX
 
     import jax
