@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.data.token_files import free_space
     from fibjax.distributed import DistributedError
     from fibjax.train.checkpoint import CheckpointError
+    from fibjax.train.lock import WorkdirInUse
     from fibjax.train.loop import NonFiniteLoss, train
     from fibjax.train.metrics import MetricsError
 
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
-    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, WorkdirInUse, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full or read-only disk under the metrics, the events or the config
