@@ -377,8 +377,9 @@ class Checkpointer:
         room a save needs. One process deletes; every process reads the steps again."""
 
         def retire() -> list[int]:
-            steps = sorted(_numbered_steps(self.directory))
-            old = steps[: -max(self.keep - 1, 1)]
+            steps = _numbered_steps(self.directory)
+            kept = set(steps[-max(self.keep - 1, 1) :]) | set(self.all_steps()[-1:])
+            old = [s for s in steps if s not in kept]
             if not old or shutil.disk_usage(self.directory).free >= ROOM_MARGIN * _bytes(self.directory / str(steps[-1])):
                 return []
             for s in old:
