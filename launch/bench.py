@@ -14,9 +14,9 @@ import sys
 
 import jax
 
+from launch._args import comma_list, parse_with_overrides
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+_ints = comma_list(int, minimum=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py",
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps per config")
-    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config")
-    args = parser.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config (anywhere among the flags)")
+    args = parse_with_overrides(parser, argv)
     if args.what == "train":
         from fibjax.bench import train as train_bench
 

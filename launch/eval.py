@@ -19,18 +19,9 @@ import re
 import sys
 
 from launch import processes
+from launch._args import comma_list
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
-
-
-def _lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not lengths or min(lengths) < MIN_LENGTH:
-        raise argparse.ArgumentTypeError(f"every length must be >= {MIN_LENGTH} (one token per position bin), got {text!r}")
-    return lengths
 
 
 def _positive(text: str) -> int:
@@ -53,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=_positive, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--lengths", type=_lengths, default=None, help="default: the run's eval.length_multipliers x its seq_len")
+    parser.add_argument(
+        "--lengths",
+        type=comma_list(int, minimum=MIN_LENGTH, noun="length", why="one token per position bin"),
+        default=None,
+        help="default: the run's eval.length_multipliers x its seq_len",
+    )
     parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
     parser.add_argument("--max-tokens", type=_positive, default=None, help="tokens scored per dataset (default: the run's eval.max_tokens)")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")

@@ -15,9 +15,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from launch._args import comma_list
+
 
 def _list(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+    parse = comma_list(kind)
+    return lambda text: tuple(parse(text))
 
 
 def main(argv: list[str] | None = None) -> int:

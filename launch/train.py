@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from launch import processes
+from launch._args import parse_with_overrides
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
 # array or scheduler requeues it (0 would read as finished)
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)",
     )
     processes.add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.attention.window=8 steps=200")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, anywhere among the flags, e.g. model.attention.window=8 steps=200")
+    args = parse_with_overrides(parser, argv)
     processes.apply(parser, args)  # before anything initialises JAX
 
     import jax
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.data.token_files import free_space
     from fibjax.distributed import DistributedError
     from fibjax.train.checkpoint import CheckpointError
+    from fibjax.train.lock import WorkdirInUse
     from fibjax.train.loop import NonFiniteLoss, train
     from fibjax.train.metrics import MetricsError
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
-    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, WorkdirInUse, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full or read-only disk under the metrics, the events or the config

@@ -1,5 +1,7 @@
 """Config validation, overrides and round trips: bad values raise errors naming the field."""
 
+import importlib
+
 import pytest
 
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, apply_overrides, from_dict, to_dict
@@ -138,3 +140,22 @@ def test_overrides_are_checked_together_in_any_order():
         apply_overrides(TrainConfig(), ["model.attention=4", "model.attention.window=3"])
     with pytest.raises(ConfigError, match=r"steps.x: 'steps' is a value, not a section"):
         apply_overrides(TrainConfig(), ["steps.x=3"])
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("launch.eval", ["--workdir", "W", "--lengths", "256,,512"]),
+        ("launch.passkey", ["--workdir", "W", "--lengths", "256,,512"]),
+        ("launch.passkey", ["--workdir", "W", "--depths", "0,0.5,"]),
+        ("launch.bench", ["attention", "--seq", ",1024"]),
+        ("launch.bench", ["decode", "--context", "1024,,4096"]),
+        ("launch.probe", ["--depths", "2,,4", "--plan"]),
+    ],
+)
+def test_an_empty_item_in_a_comma_list_is_refused(module, argv, capsys):
+    """``--lengths 256,,512`` ran silently as 256,512: a typo is refused, naming the list."""
+    with pytest.raises(SystemExit) as caught:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "has an empty item" in err and err.count("error:") == 1, err

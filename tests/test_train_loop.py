@@ -237,3 +237,16 @@ def test_data_prepared_again_under_the_same_path_is_refused(tmp_path):
         train(apply_overrides(cfg, ["steps=4"]), tmp_path / "run", progress=False)
     with pytest.raises(DataError, match="tokenizer mismatch"):
         runner.load_run(tmp_path / "run")
+
+
+def test_key_value_overrides_are_accepted_anywhere_among_the_flags(tmp_path, data_dir, capsys):
+    """``--workdir W steps=3 --no-progress mesh.devices=1`` was refused: argparse took only the
+    first run of positional words ("unrecognized arguments: mesh.devices=1")."""
+    from fibjax.train.checkpoint import load_run_config
+    from launch.train import DEFAULT_CONFIG, main
+
+    workdir = tmp_path / "run"
+    argv = ["--workdir", str(workdir), "steps=2", "--no-progress", *TINY[:4], "--config", str(DEFAULT_CONFIG), *TINY[4:], f"data.path={data_dir}"]
+    assert main(argv) == 0, capsys.readouterr()
+    cfg = load_run_config(workdir)
+    assert (cfg.steps, cfg.model.d_model, cfg.model.vocab_size, cfg.mesh.devices, cfg.data.path) == (2, 32, 384, 1, str(data_dir))

@@ -3,14 +3,19 @@
 Orbax writes each step into a temporary directory and renames it when complete, so a save
 interrupted half-way never touches the previous checkpoint; keep-last-K deletes only older,
 finished steps. Orbax does not notice changed bytes (its zstd frames carry no checksum), so
-every finished step gets the sha256 of each of its files (``<step>/fibjax.sha256.json``),
-checked before a restore, and restored arrays must be finite. A failed asynchronous save is
-reported by the next ``poll()`` (the loop polls every step), as one CheckpointError. The
-run's resolved config sits beside the steps (``config.json``) and is compared on every resume.
+each step carries the sha256 of each of its files (``<step>/fibjax.sha256.json``), written
+into the temporary directory just before Orbax's rename (``_VerifiedRename``): no kill can
+leave a finished step without them. A step without them (saved before checksums existed, or
+by another writer) counts as unfinished: it is never restored. Checksums are checked before a
+restore, and restored arrays must be finite. A failed asynchronous save is reported by the
+next ``poll()`` (the loop polls every step), as one CheckpointError. The run's resolved config
+sits beside the steps (``config.json``) and is compared on every resume.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
 import os
@@ -27,12 +32,16 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from fibjax import distributed
 from fibjax.config import CheckpointConfig, TrainConfig, from_dict, to_dict
 from fibjax.data.token_files import file_sha256, free_space, human_bytes, write_json_atomically
+from fibjax.train.lock import LOCK_FILE
 
 CONFIG_FILE = "config.json"
 TOKENIZER_PIN = "tokenizer.sha256"
 SUMS_FILE = "fibjax.sha256.json"
+# a save deletes the steps it retires first when the disk has less room than this x a checkpoint
+ROOM_MARGIN = 1.25
 # where --resume-step moves the steps after the one it resumes from (kept, not deleted)
 SET_ASIDE_DIR = "checkpoints.set_aside"
 # Fields a resumed run may change: how long and how often, and how the same step is computed
@@ -72,8 +81,8 @@ def rename_keys(tree, mapping: dict[str, str]):
 def saved_renames(state_dir: Path) -> dict[str, str]:
     """The entries of RENAMED_KEYS whose old name the checkpoint at ``state_dir`` still uses
     (read from Orbax's metadata of the saved tree; {} when it cannot be read)."""
-    try:
-        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata
+    try:  # the item's own metadata: a Checkpointer's metadata() looks for a step's _CHECKPOINT_METADATA
+        tree = ocp.StandardCheckpointHandler().metadata(state_dir).tree  # in state/ and warns on every load
     except Exception:  # a damaged or foreign checkpoint: the restore itself reports it
         return {}
     keys = {getattr(k, "key", None) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] for k in path}
@@ -110,7 +119,7 @@ def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
     Raises CheckpointError when the workdir holds a different run or files of something else."""
     path = Path(workdir) / CONFIG_FILE
     if not path.exists():
-        if Path(workdir).is_dir() and any(Path(workdir).iterdir()):
+        if Path(workdir).is_dir() and any(p.name != LOCK_FILE for p in Path(workdir).iterdir()):
             raise CheckpointError(f"workdir {workdir} is not empty and holds no fibjax run ({CONFIG_FILE} missing); use another --workdir")
         return None
     try:
@@ -172,11 +181,24 @@ def load_run_config(workdir: Path) -> TrainConfig:
     return from_dict(TrainConfig, json.loads(path.read_text()))
 
 
-def finished_steps(workdir: Path) -> list[int]:
-    """Steps with a complete checkpoint in ``workdir``, read without creating anything (Orbax
-    names a step's directory by its number only once the step is complete)."""
-    directory = Path(workdir) / "checkpoints"
+def _numbered_steps(directory: Path) -> list[int]:
+    # Orbax names a step's directory by its number only once the step is committed
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit()) if directory.is_dir() else []
+
+
+def finished_steps(workdir: Path) -> list[int]:
+    """Steps with a complete, verifiable checkpoint in ``workdir`` (committed with their
+    checksums), read without creating anything."""
+    directory = Path(workdir) / "checkpoints"
+    return [s for s in _numbered_steps(directory) if (directory / str(s) / SUMS_FILE).is_file()]
+
+
+def unverified_steps(workdir: Path) -> list[int]:
+    """Committed steps without checksums: saved before checksums existed, by another writer, or
+    (before they were written inside the commit) killed between Orbax's commit and the checksums.
+    Never restored: nothing proves their bytes are the ones saved."""
+    directory = Path(workdir) / "checkpoints"
+    return [s for s in _numbered_steps(directory) if not (directory / str(s) / SUMS_FILE).is_file()]
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -187,18 +209,33 @@ class DamagedCheckpoint(CheckpointError):
         self.step = step
 
 
-def error_reason(e: BaseException) -> str:
-    """One short line for an exception from Orbax, TensorStore or the OS: the OS error where
-    there is one (TensorStore gives it as os_error_code='28'), else the first line, cut short.
-    TensorStore's own messages run to dozens of lines of JSON specs."""
+def os_errno(e: BaseException) -> int | None:
+    """The OS error number behind an exception from Orbax, TensorStore or the OS (TensorStore
+    gives it as os_error_code='28'), or None."""
     for cause in (e, e.__cause__, e.__context__):
         if isinstance(cause, OSError) and cause.errno:
-            return os.strerror(cause.errno)
+            return cause.errno
         code = re.search(r"os_error_code='?(\d+)", str(cause)) if cause is not None else None
         if code:
-            return os.strerror(int(code.group(1)))
+            return int(code.group(1))
+    return None
+
+
+def error_reason(e: BaseException) -> str:
+    """One short line for an exception from Orbax, TensorStore or the OS: the OS error where
+    there is one, else the first line, cut short. TensorStore's own messages run to dozens of
+    lines of JSON specs."""
+    number = os_errno(e)
+    if number:
+        return os.strerror(number)
     first = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {first[:160]}{'...' if len(first) > 160 else ''}"
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` comes from a full disk or an exhausted quota (the only errors that freeing
+    space fixes)."""
+    return os_errno(e) in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _in_orbax(path: str, tb=None) -> bool:
@@ -239,21 +276,35 @@ def _quiet_orbax_failures() -> None:
 _quiet = False
 
 
-def _size(directory: Path) -> str:
-    return human_bytes(sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()))
+def _bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def record_checksums(step_dir: Path) -> None:
-    """Write the sha256 of every file of a finished step into the step (about 1.4 GB/s)."""
-    sums = {str(f.relative_to(step_dir)): file_sha256(f) for f in sorted(step_dir.rglob("*")) if f.is_file() and not f.name.startswith(SUMS_FILE)}
-    write_json_atomically(step_dir / SUMS_FILE, sums)
+    """Write the sha256 of every file of a step's items into the step (about 1.4 GB/s). Orbax's
+    own files at the step's top (its step metadata, its commit marker) are left out: Orbax
+    rewrites them during the commit, after these sums are written."""
+    files = [f for f in sorted(step_dir.rglob("*")) if f.is_file() and len(f.relative_to(step_dir).parts) > 1]
+    write_json_atomically(step_dir / SUMS_FILE, {str(f.relative_to(step_dir)): file_sha256(f) for f in files})
+
+
+class _VerifiedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's commit by rename, with the step's checksums written into the temporary directory
+    first: a step is never visible as finished without them (written after the commit, a kill in
+    the 0.6-0.8 s between left a committed step that was restored unverified). Runs in Orbax's
+    background thread, on the process that commits (process 0)."""
+
+    async def finalize(self, *args, **kwargs):
+        if self.get_final().name.isdigit():  # a step (Orbax commits its items, state/ and data/, the same way first)
+            await asyncio.to_thread(record_checksums, Path(self.get()))
+        await super().finalize(*args, **kwargs)
 
 
 def checksum_problem(step_dir: Path) -> str | None:
-    """What changed in a step since it was saved (None: nothing, or no sums were recorded)."""
+    """What is wrong with a step's files (None: they are the ones saved)."""
     path = step_dir / SUMS_FILE
     if not path.is_file():
-        return None
+        return f"it has no checksums ({SUMS_FILE}): its save did not finish, or it was written before checksums existed"
     try:
         sums = json.loads(path.read_text())
     except ValueError:
@@ -276,19 +327,37 @@ class Checkpointer:
     def __init__(self, workdir: Path, cfg: CheckpointConfig):
         self.directory = Path(workdir).resolve() / "checkpoints"
         self.set_aside_directory = self.directory.parent / SET_ASIDE_DIR
-        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+        self.keep = cfg.keep
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True, temporary_path_class=_VerifiedRename
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         self._unchecked: int | None = None  # the step of the last save, until its result is checked
         _quiet_orbax_failures()
+        finished, unverified = self.all_steps(), self.unverified_steps()
+        newer = [s for s in unverified if not finished or s > finished[-1]]
+        if newer and jax.process_index() == 0:
+            print(
+                f"warning: checkpoint step(s) {newer} in {self.directory} have no checksums ({SUMS_FILE}): their save did not "
+                f"finish, or they were written before checksums existed; they are not used (latest finished step: "
+                f"{finished[-1] if finished else 'none'})",
+                file=sys.stderr,
+            )
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        """The finished steps: committed with their checksums."""
+        return finished_steps(self.directory.parent)
+
+    def unverified_steps(self) -> list[int]:
+        return unverified_steps(self.directory.parent)
 
     def save(self, step: int, state, data_iterator=None, *, wait: bool = False) -> None:
         self.wait()  # the previous save first, so that its failure is reported as its own
+        self._make_room(step)
         items = {"state": ocp.args.StandardSave(state)}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
@@ -300,10 +369,36 @@ class Checkpointer:
         if wait:
             self.wait()
 
+    def _make_room(self, step: int) -> None:
+        """Orbax deletes the steps beyond ``keep`` only once a save has finished, so a save needs
+        room for keep + 1 checkpoints. When the disk has less room than the newest checkpoint
+        takes (x ROOM_MARGIN), the steps this save would retire anyway (all but the newest
+        keep - 1, never the newest) are deleted first: lowering checkpoint.keep then frees the
+        room a save needs. One process deletes; every process reads the steps again."""
+
+        def retire() -> list[int]:
+            steps = _numbered_steps(self.directory)
+            kept = set(steps[-max(self.keep - 1, 1) :]) | set(self.all_steps()[-1:])
+            old = [s for s in steps if s not in kept]
+            if not old or shutil.disk_usage(self.directory).free >= ROOM_MARGIN * _bytes(self.directory / str(steps[-1])):
+                return []
+            for s in old:
+                shutil.rmtree(self.directory / str(s))
+            print(
+                f"warning: {free_space(self.directory)} free in {self.directory}, less than a checkpoint takes: deleted "
+                f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep})",
+                file=sys.stderr,
+            )
+            return old
+
+        retired = distributed.on_main(retire, f"making room for checkpoint step {step}")
+        if retired or jax.process_count() > 1:  # the others cannot know whether process 0 deleted
+            self.manager.reload()
+
     def poll(self) -> None:
         """Check the last save as soon as it has finished in the background: raise CheckpointError
-        if it failed, record its checksums if it succeeded. While a save runs this reads a flag
-        under a lock (measured: 5 us a call; 0.05 us with no save pending): cheap every step."""
+        if it failed. While a save runs this reads a flag under a lock (measured: 5 us a call;
+        0.05 us with no save pending): cheap every step."""
         if self._unchecked is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
@@ -314,11 +409,6 @@ class Checkpointer:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._save_failed(step, e) from None
-        if step is not None and jax.process_index() == 0:
-            try:
-                record_checksums(self.directory / str(step))
-            except OSError as e:
-                raise self._save_failed(step, e) from None
 
     def _save_failed(self, step: int | None, e: Exception) -> CheckpointError:
         # the failed step's half-written directory is useless (Orbax ignores it) and holds the
@@ -326,19 +416,20 @@ class Checkpointer:
         if jax.process_index() == 0:
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
-        good = [s for s in finished_steps(self.directory.parent) if s != step]
-        size = f"; a checkpoint takes {_size(self.directory / str(good[-1]))}" if good else ""
-        return CheckpointError(
-            f"saving checkpoint step {step} in {self.directory} failed: {error_reason(e)} ({free_space(self.directory)} free there{size}). "
-            f"Training is stopped; the last good checkpoint ({f'step {good[-1]}' if good else 'none'}) is untouched. "
-            "Free some space (or lower checkpoint.keep) and run the same command to resume."
-        )
+        good = [s for s in self.all_steps() if s != step]
+        failed = f"saving checkpoint step {step} in {self.directory} failed: {error_reason(e)}"
+        kept = f"Training is stopped; the last good checkpoint ({f'step {good[-1]}' if good else 'none'}) is untouched."
+        if not disk_full(e):
+            return CheckpointError(f"{failed}. {kept} Fix that and run the same command to resume.")
+        size = f"; a checkpoint takes {human_bytes(_bytes(self.directory / str(good[-1])))}" if good else ""
+        # keep = 1 or 2 already saves with one other step on disk: lowering it would not help
+        keep = f" or lower checkpoint.keep (now {self.keep}; on a full disk a save first deletes all but keep - 1 steps)" if self.keep > 2 else ""
+        return CheckpointError(f"{failed} ({free_space(self.directory)} free there{size}). {kept} Free some space{keep} and run the same command to resume.")
 
     def last_saved_step(self) -> int | None:
         """The latest step completely on disk, after the save in flight (if any) has finished."""
         self.wait()
-        steps = finished_steps(self.directory.parent)
-        return steps[-1] if steps else None
+        return self.latest_step()
 
     def restore(self, step: int, abstract_state, data_iterator=None):
         """Restore ``step`` into arrays shaped and sharded like ``abstract_state``.
@@ -375,6 +466,8 @@ class Checkpointer:
         return rename_keys(restored["state"]["params"], renames)
 
     def _check_files(self, step: int) -> None:
+        if step in self.unverified_steps():
+            raise self._damaged(step, checksum_problem(self.directory / str(step)))
         if step not in self.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {self.all_steps()}")
         problem = checksum_problem(self.directory / str(step))
@@ -398,14 +491,15 @@ class Checkpointer:
         return DamagedCheckpoint(f"checkpoint step {step} in {self.directory} is damaged: {why}. Nothing was deleted; other steps: {others}.", step)
 
     def latest_intact_step(self, before: int) -> int | None:
-        """The latest step before ``before`` whose files match their checksums (None if none)."""
-        return next((s for s in sorted(self.all_steps(), reverse=True) if s < before and not checksum_problem(self.directory / str(s))), None)
+        """The latest finished step before ``before`` whose files match their checksums (None if none)."""
+        return next((s for s in reversed(self.all_steps()) if s < before and not checksum_problem(self.directory / str(s))), None)
 
     def set_aside_after(self, step: int) -> list[int]:
-        """Move the steps after ``step`` to ``<workdir>/checkpoints.set_aside/`` (kept, not
-        deleted), so that training continues from ``step`` and later saves never meet them.
-        One process moves them; every process then calls ``reload``."""
-        later = [s for s in self.all_steps() if s > step]
+        """Move the committed steps after ``step`` (finished or not) to
+        ``<workdir>/checkpoints.set_aside/`` (kept, not deleted), so that training continues from
+        ``step`` and later saves never meet them. One process moves them; every process then
+        calls ``reload``."""
+        later = [s for s in _numbered_steps(self.directory) if s > step]
         if later:
             self.set_aside_directory.mkdir(exist_ok=True)
             for s in later:

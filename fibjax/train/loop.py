@@ -7,7 +7,8 @@ reaches disk, and a failed background save is noticed at the next step, not the 
 
 Every check that can refuse a run (workdir, steps, data, vocabulary, mesh) runs before the
 workdir is claimed: a refused start writes nothing, so the corrected command is not then
-refused as "a different config".
+refused as "a different config". A resume records its config only once its checkpoint is
+restored: a failed resume changes nothing on disk either.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from fibjax.train.checkpoint import (
     check_tokenizer_pin,
     check_workdir,
     claim_workdir,
+    disk_full,
     finished_steps,
     pin_tokenizer,
 )
+from fibjax.train.lock import WorkdirLock
 from fibjax.train.metrics import MetricsWriter
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
@@ -211,8 +214,9 @@ def _batch_log():
 
 def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int | None):
     """The state of checkpoint ``step``. A damaged step is an error that names the way on: the
-    latest intact earlier step, to pass as ``--resume-step``. With ``resume_step``, the steps
-    after it are set aside (moved, not deleted), so that the run continues from it."""
+    latest intact earlier step, to pass as ``--resume-step``. Once it is restored, the committed
+    steps after it (those after ``resume_step``, or unfinished ones: without checksums) are set
+    aside (moved, not deleted), so that the run continues from it."""
     try:
         state = ckpt.restore(step, trainer.abstract_state, data_iter)
     except DamagedCheckpoint as e:
@@ -224,14 +228,13 @@ def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int 
             else "No earlier checkpoint is intact: train again in a new --workdir."
         )
         raise CheckpointError(f"{e} {way}") from None
-    if resume_step is not None:
-        moved = distributed.on_main(lambda: ckpt.set_aside_after(step), "setting aside the later checkpoints")
-        ckpt.reload()
-        if moved:
-            print(
-                f"warning: resuming from step {step}: checkpoint step(s) {moved} moved to {ckpt.set_aside_directory} (delete them when no longer needed)",
-                file=sys.stderr,
-            )
+    moved = distributed.on_main(lambda: ckpt.set_aside_after(step), "setting aside the later checkpoints")
+    ckpt.reload()
+    if moved:
+        print(
+            f"warning: resuming from step {step}: checkpoint step(s) {moved} moved to {ckpt.set_aside_directory} (delete them when no longer needed)",
+            file=sys.stderr,
+        )
     return state
 
 
@@ -239,10 +242,12 @@ def _write_failed(e: OSError, ckpt: Checkpointer) -> CheckpointError:
     """One error for a failed write of the metrics or events. A save in flight on the same
     full disk has failed too, as a rule: waiting for it reports that failure instead."""
     saved = ckpt.last_saved_step()
+    where = e.filename or ckpt.directory.parent
+    free = f" ({free_space(where)} free there)" if disk_full(e) else ""
     return CheckpointError(
-        f"could not write {e.filename or ckpt.directory.parent}: {e.strerror or e} ({free_space(e.filename or ckpt.directory)} free there). "
+        f"could not write {where}: {e.strerror or e}{free}. "
         f"Training is stopped; the last good checkpoint ({f'step {saved}' if saved else 'none'}) is untouched. "
-        "Free some space and run the same command to resume."
+        f"{'Free some space' if disk_full(e) else 'Fix that'} and run the same command to resume."
     )
 
 
@@ -260,18 +265,32 @@ def _close_all(closers, *, failing: bool) -> None:
 
 
 def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> RunResult:
-    """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``."""
+    """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``.
+
+    One run per workdir: process 0 holds its lock (fibjax/train/lock.py) from before the first
+    check to the end, so a second start is refused at once, naming the holder."""
     distributed.initialize()
     workdir = Path(workdir)
+    lock = WorkdirLock(workdir)
+    distributed.on_main(lock.acquire, f"locking the workdir {workdir}")
+    try:
+        return _train(cfg, workdir, progress, resume_step)
+    finally:
+        lock.release()  # a no-op on the processes that do not hold it
+
+
+def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | None) -> RunResult:
     start, mesh, source = preflight(cfg, workdir, resume_step)
     if mesh is None:
         return RunResult(final_step=start, preempted=False, data_dir=data_dir_of(cfg, workdir), already_done=True)
-    distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")  # one writer of config.json
+    if not start:  # a new run: claimed before the embedded corpus is prepared in it (one writer of config.json)
+        distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")
     data_dir = resolve_data_dir(cfg, workdir)
     tokenizer_sha256 = check_data(cfg, data_dir, workdir)  # again for the embedded corpus, prepared just now
     if source:
         init_from.check_tokenizer(source, tokenizer_sha256)
-    distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer_sha256), "recording the run's tokenizer")
+    if not start:
+        distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer_sha256), "recording the run's tokenizer")
 
     trainer = build(cfg, mesh)
     data_iter = data_lib.train_iterator(
@@ -286,6 +305,8 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     )
     ckpt = Checkpointer(workdir, cfg.checkpoint)
     state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
+    if start:  # a resume writes nothing before its checkpoint is restored: a failed one changes nothing
+        distributed.on_main(lambda: (claim_workdir(workdir, cfg), pin_tokenizer(workdir, tokenizer_sha256)), f"recording the resumed run in {workdir}")
     if source:
         state, notes = init_from.initial_state(state, source, mesh)
         if distributed.is_main():

@@ -1,0 +1,43 @@
+"""Argument parsing shared by the entry points: comma-separated lists, and ``key=value``
+overrides anywhere among the flags. Kept free of JAX, so that arguments are checked first."""
+
+from __future__ import annotations
+
+import argparse
+
+_KINDS = {int: "integers", float: "numbers", str: "names"}
+
+
+def comma_list(kind, *, minimum=None, noun: str = "value", why: str = ""):
+    """An argparse type: ``"256,512"`` -> ``[256, 512]``. An empty item (``256,,512``, a comma at
+    either end) is refused rather than dropped: it is a typo, not a shorter list. ``minimum``:
+    the smallest value allowed (``why`` says why, in the error)."""
+
+    def parse(text: str) -> list:
+        items = text.split(",")
+        if any(not item.strip() for item in items):
+            raise argparse.ArgumentTypeError(f"{text!r} has an empty item (two commas in a row, or one at an end)")
+        try:
+            values = [kind(item) for item in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {_KINDS[kind]}, got {text!r}") from None
+        if minimum is not None and min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"every {noun} must be >= {minimum}{f' ({why})' if why else ''}, got {text!r}")
+        return values
+
+    return parse
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` for a parser (or sub-command) with a positional ``overrides``
+    (``nargs="*"``), taking ``key=value`` words anywhere among the flags: argparse alone takes a
+    positional list in one run, so ``--workdir W steps=3 --no-progress mesh.devices=1`` left
+    ``mesh.devices=1`` "unrecognized". Their order is kept (a key given twice takes its last value);
+    a word that is not ``key=value`` is left to the config's own error."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
