@@ -2,6 +2,8 @@ import getpass
 import os
 import tempfile
 
+import pytest
+
 # 8 simulated CPU devices for the sharding tests; must be set before JAX initialises.
 # LLVM optimisation level 1 instead of the default: the suite mostly compiles small programs once,
 # and the fast tier took 14:13 instead of 16:23 (user time -15%) with no test slower than noise;
@@ -44,3 +46,15 @@ def _trim_cache(directory: str) -> None:
 
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without -n), once
     _trim_cache(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def manual_documents() -> list[str]:
+    """Real English text every clone has: Python's reference manual (the embedded corpus) cut
+    into ~700 documents of three consecutive paragraphs each, so the data tests can build
+    corpora of any shape (held-out by hash, a separate validation file, several sources) without
+    ../shared."""
+    from fibjax.data.sources import embedded_documents
+
+    paragraphs = [p.strip() for doc in embedded_documents() for p in doc.split("\n\n") if p.strip()]
+    return ["\n\n".join(paragraphs[i : i + 3]) for i in range(0, len(paragraphs), 3)]
