@@ -51,7 +51,7 @@ def _tag(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) to evaluate")
     parser.add_argument("--step", type=_positive, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--lengths", type=_lengths, default=None, help="default: the run's eval.length_multipliers x its seq_len")
     parser.add_argument("--data", action="append", default=[], help="NAME=DIR[:SOURCE], a prepared dataset (default: the run's own validation data)")
