@@ -42,7 +42,7 @@ from fibjax.train.checkpoint import (
     finished_steps,
     pin_tokenizer,
 )
-from fibjax.train.metrics import MetricsWriter
+from fibjax.train.metrics import MetricsWriter, fit_summary, read_metrics
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
 
@@ -300,10 +300,11 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     tokens_per_step = cfg.global_batch * cfg.seq_len
     result = RunResult(final_step=start, preempted=False, data_dir=data_dir)
 
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
-    if start and distributed.is_main():
-        tqdm.write(f"resuming {workdir} from step {start}")
-    pending, last_time, rates = None, time.perf_counter(), []
+    say = tqdm.write if distributed.is_main() else (lambda *a, **k: None)
+    if start:
+        say(f"resuming {workdir} from step {start}")
+    bar = None  # opened once the first step has compiled, so that its rate and ETA leave compilation out
+    pending, last_time, rates, shown = None, time.perf_counter(), [], {}  # shown: the bar's postfix
     batch_log = _batch_log()
     val_batches = validation_batches(cfg, data_dir)
 
@@ -315,6 +316,8 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
             for name, batches in val_batches.items()
         }
         writer.write(step, scalars)
+        shown["val"] = f"{np.mean(list(scalars.values())):.4f}"  # the mean over the validation sources
+        bar.set_postfix(shown, refresh=False)
 
     def flush(pending):
         step, metrics = pending
@@ -338,8 +341,9 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
         writer.write(step, scalars)
         result.losses.append(loss)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            extra = {"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}
-            bar.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
+            shown.update(loss=f"{loss:.4f}", **({"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}))
+            shown.update(tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}")
+            bar.set_postfix(shown, refresh=False)
 
     failing = True
     try:
@@ -349,15 +353,25 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
                 if batch_log:
                     batch_log.write(json.dumps({"step": step + 1, "rows": [hashlib.sha1(r.tobytes()).hexdigest()[:12] for r in local_BL]}) + "\n")
                 batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
+                if bar is None:
+                    say(f"compiling the training step (step {step + 1} runs once it is compiled) ...")
                 state, metrics = trainer.step(state, batch)
+                if bar is None:
+                    jax.block_until_ready(metrics)
+                    say(f"compiled; step {step + 1} done in {time.perf_counter() - last_time:.1f} s")
+                    bar = tqdm(total=cfg.steps, initial=step + 1, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
                 ckpt.poll()  # a failed background save stops the run now, not at the next save
                 if pending:
                     flush(pending)
                 pending = (step + 1, metrics)
                 now = time.perf_counter()
-                rates.append(now - last_time)
+                if step > start:  # the first step's time is its compilation
+                    rates.append(now - last_time)
+                    if step + 1 < cfg.steps:
+                        bar.update(1)
+                    else:  # the last line is drawn once, by bar.close(), with the last loss and validation
+                        bar.n += 1
                 last_time = now
-                bar.update(1)
                 # multi-process: agree at a fixed cadence, the same steps on every process, so the
                 # all-gather does not stall the host behind every step it just dispatched
                 stop = preemption.agreed() if jax.process_count() == 1 or (step + 1) % cfg.log_every == 0 else False
@@ -381,5 +395,7 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     except OSError as e:  # a full (or read-only) disk under the metrics or the events
         raise _write_failed(e, ckpt) from None
     finally:
-        _close_all([bar.close, writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=failing)
+        _close_all([*([bar.close] if bar else []), writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=failing)
+    if val_batches and not result.preempted and (summary := fit_summary(read_metrics(workdir), last=cfg.eval.every_steps)):
+        say(summary)
     return result
