@@ -199,8 +199,21 @@ def test_corrupt_or_truncated_token_files_are_errors(prepared, tmp_path):
     (copy / "meta.json").unlink()
     with pytest.raises(DataError, match="never prepared"):
         load_meta(copy)
-    with pytest.raises(DataError, match="does not exist.*prepare_data"):
+    with pytest.raises(DataError, match="does not exist") as missing:
         load_meta(tmp_path / "nowhere")
+    assert f"python -m launch.prepare_data --out {tmp_path / 'nowhere'} --source NAME=" in str(missing.value) and "..." not in str(missing.value)
+
+
+def test_a_cpu_config_without_its_data_names_the_whole_command(tmp_path, monkeypatch, capsys):
+    """The error a new user meets on the README's CPU commands carries a command to paste."""
+    from fibjax.recipes import PREPARE_CPU
+    from launch.train import main
+
+    monkeypatch.chdir(tmp_path)  # data/cpu is relative: absent here
+    assert main(["--config", str(Path(__file__).parents[1] / "configs" / "cpu" / "fib_stagger_w12.py"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data directory 'data/cpu' does not exist;") and err.rstrip().endswith(PREPARE_CPU) and "..." not in err
+    assert PREPARE_CPU.startswith("python -m launch.prepare_data --out data/cpu ") and not (tmp_path / "runs").exists()
 
 
 def test_bad_inputs_are_errors_naming_the_file(tmp_path):

@@ -91,7 +91,10 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
     except DataError as e:
         if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
-            raise DataError(f'{e}. This config\'s data comes from (online, Hugging Face datasets, pip install -e ".[hf]"): {cfg.data.prepare}') from None
+            raise DataError(
+                f"data directory {str(data_dir)!r} {'holds no prepared data' if data_dir.exists() else 'does not exist'}; this config's data "
+                f'is prepared (online: Hugging Face datasets, pip install -e ".[hf]") by: {cfg.data.prepare}'
+            ) from None
         if cfg.data.path:
             raise
         raise DataError(f"{e} ({data_dir} is the run's copy of the embedded corpus: delete it and run the same command again)") from None
