@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from launch.__main__ import entry_points
-from tests.test_train_loop import ROOT
+from tests.test_train_loop import ROOT, TINY
 
 # lm-eval's own parser: its options and their help are lm-eval's, not this project's
 FOREIGN_PARSERS = {"harness"}
@@ -58,3 +58,17 @@ def _options_without_help(parser: argparse.ArgumentParser, prefix: str = "") -> 
 @pytest.mark.parametrize("name", sorted(set(entry_points()) - FOREIGN_PARSERS))
 def test_every_option_has_help(name, monkeypatch):
     assert _options_without_help(_parser_of(name, monkeypatch)) == [], name
+
+
+def test_plan_says_it_is_compiling_before_it_compiles(monkeypatch, capsys):
+    from launch import plan
+
+    monkeypatch.setenv("XLA_FLAGS", "")  # plan appends its device count; this process has 8 devices already
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    small = [o for o in TINY if not o.startswith("mesh.")]
+    assert plan.main(["--config", str(ROOT / "configs" / "tiny.py"), "--devices", "8", *small, "mesh.data=8"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("compiling tiny's training step for 8 simulated CPU devices to measure its memory") and "--no-compile skips it" in err
+    assert "peak estimate" in out
+    assert plan.main(["--config", str(ROOT / "configs" / "tiny.py"), "--devices", "8", "--no-compile", *small, "mesh.data=8"]) == 0
+    assert "compiling" not in capsys.readouterr().err
