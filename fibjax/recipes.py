@@ -30,6 +30,12 @@ PREPARE_SSA = (
     "--source fineweb_edu=hf:HuggingFaceTB/smollm-corpus:fineweb-edu-dedup --source cosmopedia=hf:HuggingFaceTB/smollm-corpus:cosmopedia-v2 "
     "--source python=hf:HuggingFaceTB/smollm-corpus:python-edu"
 )
+# the CPU family's data from Hugging Face (README; the project's own copy is ../shared/data)
+PREPARE_CPU = (
+    "python -m launch.prepare_data --out data/cpu --vocab-size 8192 --max-tokens 8000000 "
+    "--source fineweb=hf:HuggingFaceFW/fineweb:sample-10BT --source wikipedia=hf:wikimedia/wikipedia:20231101.en "
+    "--source tinystories=hf:roneneldan/TinyStories --val tinystories=hf:roneneldan/TinyStories@validation"
+)
 CPU_SEQ_LEN = 256
 _SCHEDULES = {"fixed": "fixed", "learned": "learned", "stagger": "staggered", "coprime": "coprime"}
 
@@ -76,7 +82,7 @@ def cpu(name: str) -> TrainConfig:
         global_batch=16,
         log_every=10,
         model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention(name, max_rung=CPU_SEQ_LEN - 1)),
-        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
+        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2", prepare=PREPARE_CPU),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
         checkpoint=CheckpointConfig(every_steps=250, keep=2),
     )
@@ -110,7 +116,7 @@ def ssa_cpu(name: str) -> TrainConfig:
         global_batch=16,
         log_every=10,
         model=ModelConfig(vocab_size=8192, d_model=128, num_layers=8, num_heads=4, num_kv_heads=2, attention=attention),
-        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2"),
+        data=DataConfig(path="data/cpu", weights="fineweb=0.5,wikipedia=0.3,tinystories=0.2", prepare=PREPARE_CPU),
         optim=OptimConfig(lr=1e-3, warmup_steps=100),
         checkpoint=CheckpointConfig(every_steps=250, keep=2),
         ssa=ssa,

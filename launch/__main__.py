@@ -6,13 +6,27 @@ import ast
 from pathlib import Path
 
 
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``"""
+    test = node.test if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and [getattr(c, "value", None) for c in test.comparators] == ["__main__"]
+    )
+
+
 def entry_points() -> dict[str, str]:
-    """{name: first docstring line} of every launch module, read without importing it (no JAX start-up)."""
+    """{name: first docstring line} of every launch module that runs as ``python -m launch.NAME``
+    (it has a ``__main__`` guard: helpers such as ``processes`` are not listed), read without
+    importing it (no JAX start-up)."""
     out = {}
     for path in sorted(Path(__file__).parent.glob("*.py")):
-        if path.stem.startswith("_"):
+        module = ast.parse(path.read_text())
+        if path.stem.startswith("_") or not any(_is_main_guard(node) for node in module.body):
             continue
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        doc = ast.get_docstring(module) or ""
         first = " ".join(doc.split("\n\n")[0].split())
         out[path.stem] = first.split(": ``")[0].rstrip(".")  # "Evaluate a run: ``usage``" -> "Evaluate a run"
     return out

@@ -42,7 +42,7 @@ def _tag(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) to evaluate")
     parser.add_argument("--step", type=_positive, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument(
         "--lengths",

@@ -20,12 +20,12 @@ from launch._args import comma_list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) of the model to test")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--lengths", type=comma_list(int, minimum=1, noun="length"), default=[256, 512, 1024], help="context lengths in tokens")
     parser.add_argument("--depths", type=comma_list(float), default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
     parser.add_argument("--trials", type=int, default=5, help="keys per (length, depth) cell")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="draws the keys and the filler (the same seed, the same prompts)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per forward pass (default: --trials)")
     parser.add_argument("--out", default=None, help="output directory")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")

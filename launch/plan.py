@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         mesh = sharding.make_mesh(cfg.mesh)
         if cfg.global_batch % (mesh.shape["data"] * mesh.shape["fsdp"]):
             raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {mesh.shape['data'] * mesh.shape['fsdp']}")
+        if not args.no_compile:  # say so first: at paper size this takes minutes and prints nothing else
+            print(
+                f"compiling {cfg.name}'s training step for {devices} simulated CPU devices to measure its memory "
+                "(seconds for a small model, minutes at paper size; --no-compile skips it) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         plan = make_plan(cfg, mesh, compile=not args.no_compile)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,11 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text to continue")
     prompt.add_argument("--prompt-file", help="a UTF-8 file whose text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate after the prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="keep the most likely tokens up to this probability mass (1 = off)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed, the same text)")
     parser.add_argument("--greedy", action="store_true", help="always the most likely token (same as --temperature 0)")
     parser.add_argument(
         "--max-context", type=int, default=None, help="most tokens in all (prompt + new); default: the training length for dense models, none for offset models"

@@ -1,6 +1,9 @@
 import getpass
 import os
+import signal
 import tempfile
+
+import pytest
 
 # 8 simulated CPU devices for the sharding tests; must be set before JAX initialises.
 # LLVM optimisation level 1 instead of the default: the suite mostly compiles small programs once,
@@ -44,3 +47,28 @@ def _trim_cache(directory: str) -> None:
 
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without -n), once
     _trim_cache(CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def manual_documents() -> list[str]:
+    """Real English text every clone has: Python's reference manual (the embedded corpus) cut
+    into ~700 documents of three consecutive paragraphs each, so the data tests can build
+    corpora of any shape (held-out by hash, a separate validation file, several sources) without
+    ../shared."""
+    from fibjax.data.sources import embedded_documents
+
+    paragraphs = [p.strip() for doc in embedded_documents() for p in doc.split("\n\n") if p.strip()]
+    return ["\n\n".join(paragraphs[i : i + 3]) for i in range(0, len(paragraphs), 3)]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """An xdist worker ignores SIGINT once its tests are done. The controller ends a worker by
+    closing its channel, and execnet, when the worker has not returned 5 s later, sends it SIGINT
+    (execnet/gateway_base.py, _terminate_execution). On 2 busy cores a worker's last seconds (the
+    summary hooks, pytest's final garbage collection over every compiled JAX program) outlast
+    that, and the KeyboardInterrupt lands wherever the worker is: most often in JAX's gc callback,
+    which prints a PytestUnraisableExceptionWarning traceback after the results. A worker still
+    running after 15 s is ended by execnet with os._exit all the same."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

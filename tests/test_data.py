@@ -1,11 +1,12 @@
 """Data: tokenizer, sources, preparation (idempotence, refusals), and the Grain pipeline.
 
-Real text comes from small slices of ../shared/data (a few hundred documents copied into
-tmp_path), so the whole file runs in seconds.
+The corpora are real English text every clone has: Python's reference manual (the embedded
+corpus, see conftest.manual_documents), written into tmp_path as the files a user brings (JSON
+Lines, gzipped JSON Lines, parquet), a few hundred documents each, so the whole file runs in
+seconds and nothing here needs ../shared.
 """
 
 import gzip
-import itertools
 import json
 import os
 import shutil
@@ -13,25 +14,21 @@ from pathlib import Path
 
 import grain
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from fibjax.data import DataError, Tokenizer, TokenizerError, load_meta, prepare, prepare_default, train_iterator, train_tokenizer, validation_tokens
 from fibjax.data.sources import EMBEDDED_SPEC, embedded_documents, is_held_out, read_documents
 from launch import prepare_data
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"{SHARED} (the shared corpora) is absent")
 
-
-def slice_jsonl(src: Path, dst: Path, docs: int) -> Path:
-    """Copy the first ``docs`` documents of a shared corpus file into a small .jsonl."""
-    with gzip.open(src, "rt", encoding="utf-8") as f:
-        dst.write_text("".join(itertools.islice(f, docs)), encoding="utf-8")
-    return dst
-
-
-def texts_of(path: Path) -> list[str]:
-    return [json.loads(line)["text"] for line in path.read_text(encoding="utf-8").splitlines()]
+def write_jsonl(docs: list[str], path: Path) -> Path:
+    """One ``{"text": ...}`` object per line; gzipped when the name ends in .gz."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
+    return path
 
 
 def documents_in(tokens: np.ndarray, tok: Tokenizer) -> list[str]:
@@ -54,17 +51,19 @@ def window_offsets(tokens: np.ndarray, row: np.ndarray) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """Slices of FineWeb (validation held out by hash) and Wikipedia (with its val file); every
-    test that uses them skips in a clone without ../shared (a user's)."""
-    if not SHARED.is_dir():
-        pytest.skip(f"{SHARED} (the shared corpora) is absent")
+def corpus(tmp_path_factory, manual_documents):
+    """Four disjoint slices of the manual: "web" (300 documents, validation held out by hash,
+    plain JSON Lines), "wiki" (40, gzipped, with a validation file of 10) and "stories" (50,
+    parquet, validation only). ``docs`` holds each slice's documents in file order."""
     root = tmp_path_factory.mktemp("corpus")
+    docs = {"web": manual_documents[:300], "wiki": manual_documents[300:340], "wiki_val": manual_documents[340:350], "stories_val": manual_documents[350:400]}
+    pq.write_table(pa.table({"text": docs["stories_val"]}), root / "stories_val.parquet")
     return {
-        "fineweb": slice_jsonl(SHARED / "fineweb" / "fineweb_train_00.jsonl.gz", root / "fineweb.jsonl", 300),
-        "wiki": slice_jsonl(SHARED / "wikipedia" / "enwiki_train_00.jsonl.gz", root / "wiki.jsonl", 40),
-        "wiki_val": slice_jsonl(SHARED / "wikipedia" / "enwiki_val.jsonl.gz", root / "wiki_val.jsonl", 10),
-        "stories_val": slice_jsonl(SHARED / "tinystories" / "tinystories_val.jsonl.gz", root / "stories_val.jsonl", 50),
+        "web": write_jsonl(docs["web"], root / "web.jsonl"),
+        "wiki": write_jsonl(docs["wiki"], root / "wiki.jsonl.gz"),
+        "wiki_val": write_jsonl(docs["wiki_val"], root / "wiki_val.jsonl.gz"),
+        "stories_val": root / "stories_val.parquet",
+        "docs": docs,
     }
 
 
@@ -73,7 +72,7 @@ def prepared(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "data"
     prepare(
         out,
-        {"fineweb": str(corpus["fineweb"]), "wiki": str(corpus["wiki"])},
+        {"web": str(corpus["web"]), "wiki": str(corpus["wiki"])},
         {"wiki": str(corpus["wiki_val"]), "stories": str(corpus["stories_val"])},
         vocab_size=1024,
         val_fraction=0.1,
@@ -112,26 +111,26 @@ def test_tokenizer_errors(tmp_path):
 # ---- preparation ----------------------------------------------------------------------
 
 
-@needs_shared
 def test_prepare_writes_every_document_once_with_eos(prepared, corpus):
     meta = load_meta(prepared)
     tok = Tokenizer.load(prepared / "tokenizer.model")
     assert meta["dtype"] == "uint16" and meta["tokenizer"]["sha256"] == tok.sha256 and meta["tokenizer"]["vocab_size"] == 1024
-    fineweb = texts_of(corpus["fineweb"])
-    train = documents_in(np.fromfile(prepared / "fineweb" / "train.bin", np.uint16), tok)
-    val = documents_in(validation_tokens(prepared, "fineweb"), tok)
-    assert train == [d for d in fineweb if not is_held_out(d, 0.1)]
-    assert val == [d for d in fineweb if is_held_out(d, 0.1)] and 10 <= len(val) <= 60
-    assert documents_in(validation_tokens(prepared, "wiki"), tok) == texts_of(corpus["wiki_val"])
+    web = corpus["docs"]["web"]
+    train = documents_in(np.fromfile(prepared / "web" / "train.bin", np.uint16), tok)
+    val = documents_in(validation_tokens(prepared, "web"), tok)
+    assert train == [d for d in web if not is_held_out(d, 0.1)]
+    assert val == [d for d in web if is_held_out(d, 0.1)] and 10 <= len(val) <= 60
+    assert documents_in(np.fromfile(prepared / "wiki" / "train.bin", np.uint16), tok) == corpus["docs"]["wiki"]
+    assert documents_in(validation_tokens(prepared, "wiki"), tok) == corpus["docs"]["wiki_val"]
+    assert documents_in(validation_tokens(prepared, "stories"), tok) == corpus["docs"]["stories_val"]
     assert meta["sources"]["wiki"]["val"]["from"] == "files"
     assert set(meta["sources"]["stories"]) == {"val"}  # a validation-only source
     for name, source in meta["sources"].items():
         for split, entry in source.items():
             assert entry["tokens"] == os.path.getsize(prepared / entry["file"]) // 2, (name, split)
-    assert meta["sources"]["fineweb"]["train"]["documents"] == len(train)
+    assert meta["sources"]["web"]["train"]["documents"] == len(train)
 
 
-@needs_shared
 def test_rerun_is_a_no_op_and_other_inputs_are_refused(prepared, corpus):
     files = sorted(prepared.rglob("*"))
     stamps = [f.stat().st_mtime_ns for f in files]
@@ -140,7 +139,7 @@ def test_rerun_is_a_no_op_and_other_inputs_are_refused(prepared, corpus):
             "--out",
             str(prepared),
             "--source",
-            f"fineweb={corpus['fineweb']}",
+            f"web={corpus['web']}",
             "--source",
             f"wiki={corpus['wiki']}",
             "--val",
@@ -157,10 +156,9 @@ def test_rerun_is_a_no_op_and_other_inputs_are_refused(prepared, corpus):
     assert meta == 0
     assert sorted(prepared.rglob("*")) == files and [f.stat().st_mtime_ns for f in files] == stamps
     with pytest.raises(DataError, match="other inputs.*--overwrite"):
-        prepare(prepared, {"fineweb": str(corpus["fineweb"])}, vocab_size=1024, progress=False)
+        prepare(prepared, {"web": str(corpus["web"])}, vocab_size=1024, progress=False)
 
 
-@needs_shared
 def test_given_tokenizer_is_reused_and_mismatches_are_refused(prepared, corpus, tmp_path):
     out = tmp_path / "reuse"
     meta = prepare(out, {"wiki": str(corpus["wiki"])}, tokenizer=prepared / "tokenizer.model", max_docs=20, progress=False)
@@ -176,7 +174,6 @@ def test_given_tokenizer_is_reused_and_mismatches_are_refused(prepared, corpus, 
         load_meta(prepared, tokenizer_sha256="0" * 64)
 
 
-@needs_shared
 def test_corrupt_or_truncated_token_files_are_errors(prepared, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(prepared, copy)
@@ -202,8 +199,21 @@ def test_corrupt_or_truncated_token_files_are_errors(prepared, tmp_path):
     (copy / "meta.json").unlink()
     with pytest.raises(DataError, match="never prepared"):
         load_meta(copy)
-    with pytest.raises(DataError, match="does not exist.*prepare_data"):
+    with pytest.raises(DataError, match="does not exist") as missing:
         load_meta(tmp_path / "nowhere")
+    assert f"python -m launch.prepare_data --out {tmp_path / 'nowhere'} --source NAME=" in str(missing.value) and "..." not in str(missing.value)
+
+
+def test_a_cpu_config_without_its_data_names_the_whole_command(tmp_path, monkeypatch, capsys):
+    """The error a new user meets on the README's CPU commands carries a command to paste."""
+    from fibjax.recipes import PREPARE_CPU
+    from launch.train import main
+
+    monkeypatch.chdir(tmp_path)  # data/cpu is relative: absent here
+    assert main(["--config", str(Path(__file__).parents[1] / "configs" / "cpu" / "fib_stagger_w12.py"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: data directory 'data/cpu' does not exist;") and err.rstrip().endswith(PREPARE_CPU) and "..." not in err
+    assert PREPARE_CPU.startswith("python -m launch.prepare_data --out data/cpu ") and not (tmp_path / "runs").exists()
 
 
 def test_bad_inputs_are_errors_naming_the_file(tmp_path):
@@ -241,9 +251,6 @@ def test_bad_inputs_are_errors_naming_the_file(tmp_path):
 
 
 def test_txt_and_parquet_inputs(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     docs = embedded_documents()
     folder = tmp_path / "txt"
     folder.mkdir()
@@ -284,7 +291,6 @@ def take(it, n):
     return [next(it) for _ in range(n)]
 
 
-@needs_shared
 def test_pipeline_is_deterministic_and_windows_are_real_slices(prepared):
     batches = take(train_iterator(prepared, {}, seq_len=32, global_batch=8, seed=3), 3)
     again = take(train_iterator(prepared, {}, seq_len=32, global_batch=8, seed=3), 3)
@@ -292,12 +298,11 @@ def test_pipeline_is_deterministic_and_windows_are_real_slices(prepared):
     assert all(b.shape == (8, 33) and b.dtype == np.int32 for b in batches)
     assert all(np.array_equal(a, b) for a, b in zip(batches, again))
     assert not any(np.array_equal(a, b) for a, b in zip(batches, other))
-    files = {n: np.fromfile(prepared / n / "train.bin", np.uint16) for n in ("fineweb", "wiki")}
+    files = {n: np.fromfile(prepared / n / "train.bin", np.uint16) for n in ("web", "wiki")}
     for row in np.concatenate(batches):
         assert sum(len(window_offsets(t, row)) for t in files.values()) >= 1
 
 
-@needs_shared
 @pytest.mark.parametrize("worker_count", [0, 2])
 def test_resume_from_state_gives_the_same_next_batches(prepared, worker_count):
     kwargs = dict(seq_len=16, global_batch=4, seed=0, worker_count=worker_count)
@@ -310,7 +315,6 @@ def test_resume_from_state_gives_the_same_next_batches(prepared, worker_count):
     assert all(np.array_equal(a, b) for a, b in zip(expected, take(resumed, 4)))
 
 
-@needs_shared
 def test_iterator_state_round_trips_through_orbax(prepared, tmp_path):
     import orbax.checkpoint as ocp
 
@@ -325,7 +329,6 @@ def test_iterator_state_round_trips_through_orbax(prepared, tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(expected, take(resumed, 2)))
 
 
-@needs_shared
 @pytest.mark.parametrize("process_count", [2, 4])
 def test_process_shards_are_disjoint_and_make_up_the_global_batch(prepared, process_count):
     kwargs = dict(seq_len=16, global_batch=8, seed=7)
@@ -337,18 +340,16 @@ def test_process_shards_are_disjoint_and_make_up_the_global_batch(prepared, proc
         assert np.array_equal(np.concatenate(parts), full)
 
 
-@needs_shared
 def test_mixture_weights_are_respected(prepared):
     meta = load_meta(prepared)
-    files = {n: np.fromfile(prepared / n / "train.bin", np.uint16) for n in ("fineweb", "wiki")}
+    files = {n: np.fromfile(prepared / n / "train.bin", np.uint16) for n in ("web", "wiki")}
     tokens = {n: meta["sources"][n]["train"]["tokens"] for n in files}
-    for weights, expected in [({"fineweb": 0.8, "wiki": 0.2}, 0.8), ({}, tokens["fineweb"] / sum(tokens.values())), ({"wiki": 1.0}, 0.0)]:
+    for weights, expected in [({"web": 0.8, "wiki": 0.2}, 0.8), ({}, tokens["web"] / sum(tokens.values())), ({"wiki": 1.0}, 0.0)]:
         rows = np.concatenate(take(train_iterator(prepared, weights, seq_len=24, global_batch=100, seed=11), 6))
-        from_fineweb = np.mean([len(window_offsets(files["fineweb"], r)) > 0 for r in rows])
-        assert abs(from_fineweb - expected) < 0.01, (weights, from_fineweb, expected)  # Grain's mix interleaves exactly, not by draws
+        from_web = np.mean([len(window_offsets(files["web"], r)) > 0 for r in rows])
+        assert abs(from_web - expected) < 0.01, (weights, from_web, expected)  # Grain's mix interleaves exactly, not by draws
 
 
-@needs_shared
 def test_pipeline_argument_errors(prepared):
     with pytest.raises(DataError, match="not divisible by the number of processes 3"):
         train_iterator(prepared, {}, seq_len=8, global_batch=8, seed=0, process_count=3)
@@ -359,7 +360,7 @@ def test_pipeline_argument_errors(prepared):
     wiki_tokens = load_meta(prepared)["sources"]["wiki"]["train"]["tokens"]
     with pytest.raises(DataError, match="'wiki' has .* fewer than seq_len \\+ 1"):
         train_iterator(prepared, {}, seq_len=wiki_tokens, global_batch=2, seed=0)
-    with pytest.raises(DataError, match=r"unknown source 'nope'.*\['fineweb', 'stories', 'wiki'\]"):
+    with pytest.raises(DataError, match=r"unknown source 'nope'.*\['stories', 'web', 'wiki'\]"):
         validation_tokens(prepared, "nope")
 
 
@@ -368,10 +369,10 @@ def test_max_tokens_stops_at_the_document_that_reaches_the_budget(corpus, prepar
     first document that reaches it (kept whole), so it overshoots by less than one document."""
     out = tmp_path / "budget"
     tok = Tokenizer.load(prepared / "tokenizer.model")
-    budget = 60000
-    meta = prepare(out, {"fineweb": str(corpus["fineweb"])}, tokenizer=str(prepared / "tokenizer.model"), max_tokens=budget, val_fraction=0.1, progress=False)
-    train = meta["sources"]["fineweb"]["train"]
-    docs = [d for d in texts_of(corpus["fineweb"]) if not is_held_out(d, 0.1)][: train["documents"]]
+    budget = load_meta(prepared)["sources"]["web"]["train"]["tokens"] // 2
+    meta = prepare(out, {"web": str(corpus["web"])}, tokenizer=str(prepared / "tokenizer.model"), max_tokens=budget, val_fraction=0.1, progress=False)
+    train = meta["sources"]["web"]["train"]
+    docs = [d for d in corpus["docs"]["web"] if not is_held_out(d, 0.1)][: train["documents"]]
     lengths = [len(tok.encode(d)) + 1 for d in docs]
     assert sum(lengths) == train["tokens"] >= budget
     assert sum(lengths[:-1]) < budget  # without its last document the split is under the budget

@@ -244,3 +244,32 @@ def test_soft_width_gives_alpha_a_non_local_gradient_and_anneals_to_the_hard_set
     assert soft_width.width_at(0, 100, 8.0) == 8.0 and soft_width.width_at(80, 100, 8.0) == soft_width.width_at(99, 100, 8.0) == 0.5
     with pytest.raises(ValueError, match="learned"):
         CellSpec(experiment="soft", task="retrieval", condition="fib_fixed", depth=2, bands=((3, 5),), seq_len=16, soft_width=4.0)
+
+
+def test_the_smoke_report_says_what_covers_its_band_and_describes_only_its_columns(smoke_cell, tmp_path, monkeypatch):
+    """The smoke cell's band (2-8) sits in the window W = 8 and its table has no @d column."""
+    import shutil
+
+    from fibjax.eval import plots
+    from tests.test_plots import inside_the_figure
+
+    out, _ = smoke_cell
+    shutil.copytree(out / "smoke", tmp_path / "smoke")  # the smoke cell alone (other tests add cells to ``out``)
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
+    tables, _, markdown = report.build_report(tmp_path)
+    assert "distance 5 is inside the dense window (0-8)" in markdown and "no rung" not in markdown
+    smoke = next(t for t in tables if t.name == "accuracy_smoke")
+    assert not any(h.startswith("@") for h in smoke.header) and "Columns" not in smoke.notes[0]
+    assert len(figures) == 2 and all(inside_the_figure(fig) == [] for fig in figures)
+    assert "shaded" not in figures[0].get_suptitle()  # nothing is shaded: every read distance was trained
+
+
+def test_the_column_note_names_the_columns_the_table_has():
+    assert report._columns_note([], {13, 21}) == "Every distance's accuracy is in the CSV."
+    both = report._columns_note([13, 15, 17, 21], {13, 21})
+    assert "edges and centre of a band that leaves some read distance out (15, 17)" in both and "rungs among the read distances (13, 21)" in both
+    assert "band" not in report._columns_note([13], {13, 21})
+    assert report._reach_text(40, 8, 32) == "distance 40 is past the sequence (T - 1 = 31)."
+    assert report._reach_text(15, 8, 32).startswith("distance 15 is put on a rung by f = 13")

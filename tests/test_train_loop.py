@@ -5,6 +5,7 @@ process, else its ``main`` in this process (``train_main``: no interpreter start
 run). The tiny model trains on a small prepared dataset shared by the tests of this module.
 """
 
+import gzip
 import json
 import os
 import signal
@@ -163,24 +164,18 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert int(state["step"]) == good
 
 
-def test_loss_falls_on_real_text(tmp_path):
-    """A tiny model on a slice of the real FineWeb text (../shared/data) learns something."""
+def test_loss_falls_on_real_text(tmp_path, manual_documents):
+    """A tiny model learns something from text prepared the way a user's is: gzipped JSON Lines
+    files (slices of Python's manual, which every clone has) through ``prepare``, 40 steps."""
     from fibjax.config import TrainConfig, apply_overrides
     from fibjax.data import prepare
     from fibjax.train.loop import train
 
-    shared = ROOT.parent / "shared" / "data" / "fineweb"
-    if not shared.is_dir():
-        pytest.skip("../shared/data is not present on this machine")
-    data = tmp_path / "fineweb"
-    prepare(
-        data,
-        {"fineweb": str(shared / "fineweb_train_00.jsonl.gz")},
-        val={"fineweb": str(shared / "fineweb_val.jsonl.gz")},
-        vocab_size=512,
-        max_docs=60,
-        progress=False,
-    )
+    for name, docs in [("train", manual_documents[:300]), ("val", manual_documents[300:330])]:
+        with gzip.open(tmp_path / f"{name}.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    data = tmp_path / "manual"
+    prepare(data, {"manual": str(tmp_path / "train.jsonl.gz")}, val={"manual": str(tmp_path / "val.jsonl.gz")}, vocab_size=512, progress=False)
     cfg = apply_overrides(
         TrainConfig(),
         [

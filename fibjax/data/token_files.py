@@ -90,7 +90,10 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
     token file has exactly the size its token count says."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise DataError(f"data directory {str(data_dir)!r} does not exist; create it with `python -m launch.prepare_data --out {data_dir} ...`")
+        raise DataError(
+            f"data directory {str(data_dir)!r} does not exist; prepare it with python -m launch.prepare_data --out {data_dir} "
+            "--source NAME=FILES_OR_hf:DATASET (one --source per corpus; see the README, 'Training on real data')"
+        )
     meta = read_meta_file(data_dir)
     if meta is None:
         raise DataError(f"{str(data_dir)!r} holds no {META_FILE}: it was never prepared, or preparation did not finish")

@@ -205,6 +205,8 @@ def plot_heatmap(result: dict, path: Path) -> None:
     """Depth (rows, 0% at the top) x length (columns), red 0 -> green 1, every cell labelled."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
 
+    from fibjax.eval.plots import fit_titles
+
     acc = np.asarray(result["accuracy"], float)
     n_depths, n_lengths = acc.shape
     fig = Figure(figsize=(1.6 + 1.1 * n_lengths, 1.4 + 0.55 * n_depths), layout="constrained")
@@ -230,6 +232,7 @@ def plot_heatmap(result: dict, path: Path) -> None:
         )
     fig.colorbar(image, ax=ax, label="exact-match accuracy", format=lambda x, _: f"{100 * x:.0f}%")
     ax.set_title(f"{result.get('title', 'Passkey retrieval')}\nmean {100 * result['mean_accuracy']:.0f}%, {result['trials']} trials per cell", fontsize=10)
+    fit_titles(fig)  # the title names the run and the attention: wider than a small grid
     fig.savefig(path, dpi=130)
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
@@ -34,6 +36,9 @@ STYLE = {
     "savefig.dpi": 150,
 }
 GUIDE = "#666666"  # reference lines (training length, zero gap)
+# A linear perplexity axis spans at least this fraction of its values' midpoint: without a floor,
+# matplotlib stretches a +0.5% change across the whole panel and it reads as a steep climb.
+MIN_PPL_SPAN = 0.1
 MAX_COLUMNS = 3  # panels per row; more datasets wrap
 
 
@@ -59,7 +64,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Perplexity vs evaluation length", "ppl_vs_length.png", lambda p: plot_ppl_vs_length(runs, datasets, p, styles)),
             ("NLL by position in the window", "posloss.png", lambda p: plot_posloss(runs, datasets, p, styles, reference)),
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
-            ("Training loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
+            ("Training (and validation) loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
             ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p, styles)),
         ):
@@ -111,10 +116,41 @@ def _log_y(ax) -> None:
     ax.yaxis.set_minor_locator(NullLocator())
 
 
+def _span_at_least(ax, lo: float, hi: float, fraction: float) -> None:
+    """A y axis around [lo, hi] at least ``fraction`` of their midpoint tall (centred on them)."""
+    mid, half = (lo + hi) / 2, max(hi - lo, fraction * (lo + hi) / 2) / 2
+    margin = 0.05 * 2 * half  # matplotlib's usual 5% padding
+    ax.set_ylim(mid - half - margin, mid + half + margin)
+
+
+def fit_titles(fig: Figure, *, rounds: int = 3) -> None:
+    """Wrap every title (the figure's and each panel's) that runs past the figure's edges.
+    Constrained layout makes room for a title's height but not its width: a long one is cut."""
+    FigureCanvasAgg(fig)  # a renderer to measure text with
+    for _ in range(rounds):
+        fig.draw_without_rendering()
+        width, clipped = fig.bbox.width, []
+        for text in [*fig.texts, *(ax.title for ax in fig.axes if ax.get_visible())]:
+            if not text.get_text() or text.get_horizontalalignment() != "center":
+                continue
+            box = text.get_window_extent()
+            centre = (box.x0 + box.x1) / 2
+            room = 0.97 * 2 * min(centre, width - centre)  # centred text: twice the distance to the nearer edge
+            if box.width > room:
+                clipped.append((text, room / box.width))
+        if not clipped:
+            return
+        for text, shrink in clipped:
+            lines = text.get_text().split("\n")
+            fit = max(12, int(max(map(len, lines)) * shrink))
+            text.set_text("\n".join(textwrap.fill(line, fit) for line in lines))
+
+
 def _save(fig: Figure, path: Path) -> bool:
     """A PNG with an adaptive 256-colour palette: line plots look the same at a third of the bytes."""
     from PIL import Image
 
+    fit_titles(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     image = Image.open(buffer).convert("RGB")
@@ -143,6 +179,8 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
         ax.xaxis.set_minor_locator(NullLocator())
         if ppls and max(ppls) / min(ppls) > 3:
             _log_y(ax)
+        elif ppls:
+            _span_at_least(ax, min(ppls), max(ppls), MIN_PPL_SPAN)
         for t in train_lens:
             ax.axvline(t, color=GUIDE, linestyle=":", linewidth=1.2, zorder=0)
         ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
@@ -256,6 +294,14 @@ def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array([m["step"] for m in rows]), loss, smooth(loss, window)
 
 
+def _val_curve(run) -> tuple[np.ndarray, np.ndarray]:
+    """The validation curve logged during training (``eval.every_steps``): the mean NLL over the
+    run's validation sources at each step it was measured (empty arrays when none was)."""
+    rows = [[v for k, v in m.items() if k.startswith("val/")] for m in run.metrics]
+    points = [(m["step"], float(np.mean(v))) for m, v in zip(run.metrics, rows, strict=True) if v]
+    return np.array([p[0] for p in points]), np.array([p[1] for p in points])
+
+
 def _one_per_workdir(runs) -> list:
     """The first run of each run directory: evaluation variants of one run share its training."""
     seen, out = set(), []
@@ -276,17 +322,22 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
     fig, axes = _panels(2 if gap else 1, width=6.5 if gap else 7.5)
     window = max(5, max(sum("loss" in m for m in r.metrics) for r in with_metrics) // 20) | 1
     curves = {r.label: _loss_curve(r, window) for r in with_metrics}
+    val_curves = {r.label: _val_curve(r) for r in with_metrics}
+    with_val = any(len(v[0]) for v in val_curves.values())
     ax = axes[0][0]
     for r in with_metrics:
-        s, (steps, loss, smoothed) = styles[r.label], curves[r.label]
+        s, (steps, loss, smoothed), (val_steps, val) = styles[r.label], curves[r.label], val_curves[r.label]
         ax.plot(steps, loss, color=s.color, linewidth=0.8, alpha=0.25)
         ax.plot(steps, smoothed, color=s.color, linestyle=s.linestyle, linewidth=2, label=r.label)
-    all_loss = np.concatenate([c[1] for c in curves.values()])
+        if len(val):  # unlabelled: the legend names runs; the subtitle says what the dashed lines are
+            ax.plot(val_steps, val, color=s.color, linestyle="--", marker=s.marker, markerfacecolor="white", linewidth=1.6, markersize=6)
+    all_loss = np.concatenate([c[1] for c in curves.values()] + [v[1] for v in val_curves.values()])
     if all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5:
         _log_y(ax)
     ax.set_xlabel("training step")
-    ax.set_ylabel("training loss (nats per token)")
-    ax.set_title(f"faint: every step\nbold: centred mean over {window} steps", fontsize=10)
+    ax.set_ylabel("loss (nats per token)")
+    note = "\ndashed, open markers: validation NLL (mean over the run's validation sets)" if with_val else ""
+    ax.set_title(f"faint: training loss, every step; bold: centred mean over {window} steps{note}", fontsize=10)
     if gap:
         ref_steps, ref_loss, _ = curves[reference.label]
         gap_window = max(window, len(ref_steps) // 8) | 1  # the same batches: per-step differences, smoothed more
@@ -302,7 +353,7 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
         gap_ax.set_xlabel("training step")
         gap_ax.set_ylabel("loss gap (nats per token)")
         gap_ax.set_title(f"loss minus {reference.label}'s at the same step (> 0: worse)\ncentred mean over {gap_window} steps", fontsize=10)
-    fig.suptitle("Training loss")
+    fig.suptitle("Training and validation loss" if with_val else "Training loss")
     _legend(fig, axes)
     return _save(fig, path)
 

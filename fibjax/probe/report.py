@@ -64,6 +64,18 @@ def _columns(cells: list[dict]) -> list[int]:
     return sorted(wanted & set(cells[0]["accuracy"]["distances"]))
 
 
+def _columns_note(cols: list[int], rungs: set[int]) -> str:
+    """What the table's @d columns are: only the kinds of distance it has."""
+    kinds = []
+    if band := [d for d in cols if d not in rungs]:
+        kinds.append(f"the edges and centre of a band that leaves some read distance out ({', '.join(map(str, band))})")
+    if on_rungs := [d for d in cols if d in rungs]:
+        kinds.append(f"the alpha = 1 Fibonacci rungs among the read distances ({', '.join(map(str, on_rungs))})")
+    if not kinds:
+        return "Every distance's accuracy is in the CSV."
+    return f"Columns @d, the accuracy at distance d: {'; '.join(kinds)}; every distance is in the CSV."
+
+
 def accuracy_table(experiment: str, cells: list[dict]) -> Table:
     cols = _columns(cells)
     header = ["condition", "depth", "trained", "in band", "all", *(f"@{d}" for d in cols)]
@@ -85,7 +97,7 @@ def accuracy_table(experiment: str, cells: list[dict]) -> Table:
     notes = [
         f"Forced-choice accuracy at the query among the {round(1 / chance)} values present (chance {chance:.2f}), "
         f"{cells[0]['accuracy']['examples']} sequences per distance; 'in band': mean over the trained distances, 'all': over every distance read. "
-        "Columns: the band's edges and centre and the distances of the alpha = 1 Fibonacci rungs; every distance is in the CSV."
+        + _columns_note(cols, set(_rungs_at_one(cells[0])))
     ]
     return Table(
         f"accuracy_{experiment}",
@@ -314,7 +326,8 @@ def plot_accuracy(experiment: str, cells: list[dict], path: Path, styles) -> boo
         ax.set_xlabel("distance from the query to the value")
         ax.set_ylabel("forced-choice accuracy")
         ax.set_title(f"depth {depth}", fontsize=11)
-    fig.suptitle(f"{experiment}: accuracy by distance\nshaded: trained distances; dotted: chance; thin lines: Fibonacci rungs at alpha = 1", fontsize=11)
+    shaded = "shaded: trained distances; " if any(_partial_bands(c) for c in cells) else ""
+    fig.suptitle(f"{experiment}: accuracy by distance\n{shaded}dotted: chance; thin lines: Fibonacci rungs at alpha = 1", fontsize=11)
     plots._legend(fig, axes)
     return plots._save(fig, path)
 
@@ -410,9 +423,20 @@ def distances_section(cells: list[dict]) -> list[str]:
         if len(c["train_distances"]) < t // 2:
             for lo, hi in c["bands"]:
                 centre = (lo + hi) // 2
-                reach = "; ".join(f"f = {f}: alpha {a:.3f}-{b:.3f}" for f, a, b in geometry.alphas_for(centre, window=w, base="fibonacci", seq_len=t))
-                lines.append(f"  - distance {centre} is put on a rung by {reach}." if reach else f"  - distance {centre}: no rung (window or out of reach).")
+                lines.append(f"  - {_reach_text(centre, w, t)}")
     return lines
+
+
+def _reach_text(distance: int, window: int, seq_len: int) -> str:
+    """Which alphas put a Fibonacci rung on ``distance``, or why none needs to or can."""
+    if distance <= window:
+        return f"distance {distance} is inside the dense window (0-{window}): a Fibonacci layer attends it at every alpha."
+    if distance > seq_len - 1:
+        return f"distance {distance} is past the sequence (T - 1 = {seq_len - 1})."
+    reach = "; ".join(f"f = {f}: alpha {a:.3f}-{b:.3f}" for f, a, b in geometry.alphas_for(distance, window=window, base="fibonacci", seq_len=seq_len))
+    if not reach:
+        return f"distance {distance}: no alpha in [{offsets.ALPHA_MIN}, {offsets.ALPHA_MAX}] puts a Fibonacci rung on it."
+    return f"distance {distance} is put on a rung by {reach}."
 
 
 def build_report(out: Path, *, make_plots: bool = True) -> tuple[list[Table], list[Path], str]:

@@ -45,7 +45,7 @@ from fibjax.train.checkpoint import (
     pin_tokenizer,
 )
 from fibjax.train.lock import WorkdirLock
-from fibjax.train.metrics import MetricsWriter
+from fibjax.train.metrics import MetricsWriter, fit_summary, read_metrics
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
 
@@ -94,7 +94,10 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
     except DataError as e:
         if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
-            raise DataError(f'{e}. This config\'s data comes from (online, Hugging Face datasets, pip install -e ".[hf]"): {cfg.data.prepare}') from None
+            raise DataError(
+                f"data directory {str(data_dir)!r} {'holds no prepared data' if data_dir.exists() else 'does not exist'}; this config's data "
+                f'is prepared (online: Hugging Face datasets, pip install -e ".[hf]") by: {cfg.data.prepare}'
+            ) from None
         if cfg.data.path:
             raise
         raise DataError(f"{e} ({data_dir} is the run's copy of the embedded corpus: delete it and run the same command again)") from None
@@ -321,10 +324,11 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
     tokens_per_step = cfg.global_batch * cfg.seq_len
     result = RunResult(final_step=start, preempted=False, data_dir=data_dir)
 
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
-    if start and distributed.is_main():
-        tqdm.write(f"resuming {workdir} from step {start}")
-    pending, last_time, rates = None, time.perf_counter(), []
+    say = tqdm.write if distributed.is_main() else (lambda *a, **k: None)
+    if start:
+        say(f"resuming {workdir} from step {start}")
+    bar = None  # opened once the first step has compiled, so that its rate and ETA leave compilation out
+    pending, last_time, rates, shown = None, time.perf_counter(), [], {}  # shown: the bar's postfix
     batch_log = _batch_log()
     val_batches = validation_batches(cfg, data_dir)
 
@@ -336,6 +340,8 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
             for name, batches in val_batches.items()
         }
         writer.write(step, scalars)
+        shown["val"] = f"{np.mean(list(scalars.values())):.4f}"  # the mean over the validation sources
+        bar.set_postfix(shown, refresh=False)
 
     def flush(pending):
         step, metrics = pending
@@ -359,8 +365,9 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
         writer.write(step, scalars)
         result.losses.append(loss)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            extra = {"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}
-            bar.set_postfix(loss=f"{loss:.4f}", **extra, tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}", refresh=False)
+            shown.update(loss=f"{loss:.4f}", **({"align": f"{scalars['align']:.4f}"} if "align" in scalars else {}))
+            shown.update(tok_s=f"{scalars.get('tokens_per_s', 0):,.0f}")
+            bar.set_postfix(shown, refresh=False)
 
     failing = True
     try:
@@ -370,15 +377,25 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
                 if batch_log:
                     batch_log.write(json.dumps({"step": step + 1, "rows": [hashlib.sha1(r.tobytes()).hexdigest()[:12] for r in local_BL]}) + "\n")
                 batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
+                if bar is None:
+                    say(f"compiling the training step (step {step + 1} runs once it is compiled) ...")
                 state, metrics = trainer.step(state, batch)
+                if bar is None:
+                    jax.block_until_ready(metrics)
+                    say(f"compiled; step {step + 1} done in {time.perf_counter() - last_time:.1f} s")
+                    bar = tqdm(total=cfg.steps, initial=step + 1, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
                 ckpt.poll()  # a failed background save stops the run now, not at the next save
                 if pending:
                     flush(pending)
                 pending = (step + 1, metrics)
                 now = time.perf_counter()
-                rates.append(now - last_time)
+                if step > start:  # the first step's time is its compilation
+                    rates.append(now - last_time)
+                    if step + 1 < cfg.steps:
+                        bar.update(1)
+                    else:  # the last line is drawn once, by bar.close(), with the last loss and validation
+                        bar.n += 1
                 last_time = now
-                bar.update(1)
                 # multi-process: agree at a fixed cadence, the same steps on every process, so the
                 # all-gather does not stall the host behind every step it just dispatched
                 stop = preemption.agreed() if jax.process_count() == 1 or (step + 1) % cfg.log_every == 0 else False
@@ -402,5 +419,7 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
     except OSError as e:  # a full (or read-only) disk under the metrics or the events
         raise _write_failed(e, ckpt) from None
     finally:
-        _close_all([bar.close, writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=failing)
+        _close_all([*([bar.close] if bar else []), writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=failing)
+    if val_batches and not result.preempted and (summary := fit_summary(read_metrics(workdir), last=cfg.eval.every_steps)):
+        say(summary)
     return result

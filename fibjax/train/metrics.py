@@ -11,6 +11,7 @@ on the main thread as an OSError naming the file, so the loop can stop with one 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -19,6 +20,9 @@ from pathlib import Path
 import jax
 
 METRICS_FILE = "metrics.jsonl"
+# A validation NLL this far above its best is overfitting, not noise: the curve scores the same
+# held-out windows every time, so it moves only with the weights.
+RISE_NATS = 0.02
 
 
 # OSErrors of tensorboardX's writer thread, for the main thread to raise (see _keep_tensorboard_errors)
@@ -132,3 +136,32 @@ def read_metrics(workdir: Path) -> list[dict]:
     a running job has half-written, is not a row."""
     path = Path(workdir) / METRICS_FILE
     return [row for _, row in _rows(path)[0]] if path.exists() else []
+
+
+def fit_summary(rows: list[dict], *, last: int) -> str | None:
+    """One line on how well the model does on text it did not train on: the training loss (mean
+    of the last ``last`` rows), the latest validation NLL (mean over the validation sources), the
+    gap between them, and whether the validation NLL has risen from its best: the sign that the
+    model is memorising its training text. None when the run logged no validation curve."""
+    val_rows = [(r["step"], {k[4:]: v for k, v in r.items() if k.startswith("val/")}) for r in rows]
+    val_rows = [(step, nll) for step, nll in val_rows if nll]
+    train = [r.get("ce", r["loss"]) for r in rows if "loss" in r][-last:]  # an SSA run's "loss" adds its alignment term
+    if not val_rows or not train:
+        return None
+    curve = [(step, sum(nll.values()) / len(nll)) for step, nll in val_rows]
+    (step, final), (best_step, best) = curve[-1], min(curve, key=lambda c: c[1])
+    train_loss = sum(train) / len(train)
+    sources = ", ".join(val_rows[-1][1])
+    line = (
+        f"fit at step {step}: training loss {train_loss:.3f} (mean of the last {len(train)} steps), validation NLL {final:.3f} "
+        f"({sources}{': their mean' if len(val_rows[-1][1]) > 1 else ''}; perplexity {math.exp(final):,.1f}), "
+        f"a gap of {final - train_loss:+.3f} nats per token"
+    )
+    if final - best > RISE_NATS:
+        return (
+            f"{line}; warning: the validation NLL was lowest at step {best_step} ({best:.3f}) and has risen {final - best:.3f} since: "
+            "the model is memorising its training text (train fewer steps, or on more text)"
+        )
+    if best_step == step:
+        return f"{line}; the validation NLL is at its lowest so far"
+    return f"{line}; the validation NLL is within {RISE_NATS} of its lowest ({best:.3f} at step {best_step})"

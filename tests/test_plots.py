@@ -1,0 +1,84 @@
+"""The plots read honestly: a perplexity axis that does not blow up a 0.5% change, the validation
+curve drawn with the training loss, and no title cut at the figure's edges."""
+
+import json
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from fibjax.eval import passkey, plots
+from fibjax.eval import report as rep
+from tests.test_report import fake_run, rows_for
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Every figure the plots save, kept for the test to read (the PNG is still written)."""
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
+    return figures
+
+
+def inside_the_figure(fig: Figure) -> list[str]:
+    """The titles (the figure's, every panel's) that run past the figure's edges."""
+    fig.draw_without_rendering()
+    texts = [*fig.texts, *(ax.title for ax in fig.axes if ax.get_visible())]
+    return [t.get_text() for t in texts if t.get_text() and not (-1 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= fig.bbox.width + 1)]
+
+
+def test_a_half_percent_change_in_perplexity_stays_small_on_the_axis(tmp_path, drawn):
+    runs, _ = rep.load_runs([fake_run(tmp_path, "tiny", datasets={"python_docs": rows_for([291.2, 291.9, 292.4])})])
+    assert plots.plot_ppl_vs_length(runs, ["python_docs"], tmp_path / "ppl.png", plots.run_styles(["tiny"]))
+    low, high = drawn[0].axes[0].get_ylim()
+    assert high - low >= plots.MIN_PPL_SPAN * 291.8 and low < 291.2 and high > 292.4
+    assert 0.1 * (high - low) > 292.4 - 291.2  # the change covers under a tenth of the axis
+    wide, _ = rep.load_runs([fake_run(tmp_path / "w", "a", datasets={"d": rows_for([20.0, 40.0, 50.0])})])
+    plots.plot_ppl_vs_length(wide, ["d"], tmp_path / "wide.png", plots.run_styles(["a"]))
+    low, high = drawn[1].axes[0].get_ylim()
+    assert 18.0 < low < 20.0 and 50.0 < high < 52.0  # a wide spread keeps the axis tight around it
+
+
+def test_loss_png_draws_the_validation_curve_beside_the_training_loss(tmp_path, drawn):
+    workdir = fake_run(tmp_path, "tiny", datasets={"d": rows_for([50.0])}, step=100)
+    val = {25: (5.0, 4.0), 50: (4.0, 3.0), 100: (4.5, 3.5)}  # two validation sources
+    with (workdir / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps({"step": s, "val/a": a, "val/b": b}) + "\n" for s, (a, b) in val.items())
+    runs, _ = rep.load_runs([workdir])
+    assert plots.plot_loss(runs, tmp_path / "loss.png", plots.run_styles(["tiny"]))
+    fig = drawn[0]
+    assert fig.get_suptitle() == "Training and validation loss" and "validation NLL" in fig.axes[0].get_title()
+    dashed = [line for line in fig.axes[0].lines if line.get_linestyle() == "--"]
+    assert len(dashed) == 1
+    np.testing.assert_allclose(dashed[0].get_xdata(), [25, 50, 100])
+    np.testing.assert_allclose(dashed[0].get_ydata(), [4.5, 3.5, 4.0])  # the mean over the sources
+    without, _ = rep.load_runs([fake_run(tmp_path / "x", "plain", datasets={"d": rows_for([50.0])})])
+    plots.plot_loss(without, tmp_path / "plain.png", plots.run_styles(["plain"]))
+    assert drawn[1].get_suptitle() == "Training loss"
+
+
+def test_a_long_passkey_title_is_wrapped_not_cut(tmp_path, monkeypatch):
+    saved = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k))
+    title = "Passkey retrieval: fib_stagger_w8_seed44 step 2000, trained at 256 (offset attention, kind=offset window=8)"
+    result = {
+        "title": title,
+        "lengths": [256, 512],
+        "depths": [0.0, 0.5, 1.0],
+        "accuracy": [[0.0, 0.2], [0.4, 0.6], [0.8, 1.0]],
+        "correct": [[0, 1], [2, 3], [4, 5]],
+        "trials": 5,
+        "mean_accuracy": 0.5,
+    }
+    passkey.plot_heatmap(result, tmp_path / "passkey.png")
+    assert inside_the_figure(saved[0]) == []
+    assert saved[0].axes[0].get_title().replace("\n", " ").startswith(title)  # wrapped, every word kept
+
+
+def test_fit_titles_wraps_a_suptitle_wider_than_a_one_panel_figure():
+    fig, _ = plots._panels(1, width=4.0)
+    fig.suptitle("a long figure title that explains what the shaded band, the dotted line and the thin lines mean")
+    plots.fit_titles(fig)
+    assert inside_the_figure(fig) == [] and "\n" in fig.get_suptitle()
