@@ -191,7 +191,9 @@ def _attend_fwd(q_BTKGD, k_BTKD, v_BTKD, layout, block, tile, chunk):
     return (o, lse), (q_BTKGD, k_BTKD, v_BTKD, layout, o, lse)
 
 
-def _attend_bwd(block, tile, chunk, residuals, cotangents):
+def backward(block, tile, chunk, residuals, cotangents):
+    """The VJP of ``grouped_attention``: residuals (q pre-scaled [B,T,K,G,D], k, v, layout, out
+    [B,T,K,G,D] float32, lse [B,T,K,G]), cotangents of (out, lse) -> (dq, dk, dv, None)."""
     q_BTKGD, k_BTKD, v_BTKD, layout, o_BTKGD, lse_BTKG = residuals
     do_BTKGD, dlse_BTKG = cotangents
     b, t, kh, g, d = q_BTKGD.shape
@@ -224,7 +226,7 @@ def _attend_bwd(block, tile, chunk, residuals, cotangents):
 
 
 grouped_attention = jax.custom_vjp(_forward, nondiff_argnums=(4, 5, 6))
-grouped_attention.defvjp(_attend_fwd, _attend_bwd)
+grouped_attention.defvjp(_attend_fwd, backward)
 grouped_attention.__doc__ = """(out [B,T,K,G,D] float32, lse [B,T,K,G]) of pre-scaled queries q [B,T,K,G,D] over the
 blocks of ``layout`` (``pair_layout``; slot 0 the query's own block, attended causally); k, v
 [B,T,K,D]; T a multiple of ``block``; pairs in tiles of ``tile``, ``chunk`` tiles a step."""
