@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from fibjax.attention import attended_distances, interpolated_attention, offset_attention
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
-from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.attention.pallas import backend as pallas_backend
+from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from tests import oracle
 from tests.tiers import first_fast, slow
 

@@ -78,7 +78,8 @@ def _learned_pallas(case: Case) -> Callable:
 
 
 def _block_sparse_pallas(case: Case) -> Callable:
-    return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, block_size=case.sparse_block, num_blocks=case.sparse_blocks, block_sizes=case.block_sizes)
+    blocks = dict(block_size=case.sparse_block, num_blocks=case.sparse_blocks)
+    return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, **blocks, block_sizes=case.block_sizes)
 
 
 def _cudnn(case: Case) -> Callable:
