@@ -7,7 +7,8 @@
 #   1. the Triton-compiled kernels against the XLA path on the GPU (forward, lse, all grads),
 #      PASS/FAIL at the test suite's tolerances (python -m launch.bench kernels);
 #   2. a block-size sweep of the Pallas rows at 16k tokens, fwd+bwd, picking the fastest;
-#   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas, cuDNN rows.
+#   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas, cuDNN rows;
+#   4. the block-sparse rows at 16k (issue 31: the XLA path, the Pallas forward kernel, cuDNN dense).
 # Every step has a timeout; the sum stays under the device tool's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__ver
 
 echo "== 1. Triton kernels vs the XLA path on the GPU (fwd, lse, all grads); 2. block sizes at 16k, bf16, fwd+bwd"
 # the last line names the fastest blocks that ran (launch.bench kernels; --small runs it on CPU)
-BEST=$(timeout 210 $PY -m launch.bench kernels --sweep "64,64,4,2;128,128,4,2;128,128,8,2;32,64,4,2" --sweep-seq 16384 | tee /dev/stderr | sed -n 's/^blocks: //p')
+BEST=$(timeout 180 $PY -m launch.bench kernels --sweep "64,64,4,2;128,128,4,2;128,128,8,2;32,64,4,2" --sweep-seq 16384 | tee /dev/stderr | sed -n 's/^blocks: //p')
 echo "best blocks: ${BEST:=128,128,4,2}"
 
 echo "== 3. the table (bf16, B=1, H=8, D=64, K=8; then K=2, the paper's GQA, at 16k)"
@@ -33,4 +34,7 @@ for SEQ in 16384 1024 4096 65536 2048 8192 32768; do
 done
 timeout 45 $PY -m launch.bench attention --seq 16384 --dtype bfloat16 --heads 8 --kv-heads 2 --head-dim 64 \
   --repeats 10 --paths static,learned,static_pallas,learned_pallas,cudnn --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
+echo "== 4. block-sparse (16 blocks of 16), bf16, 16k, K=2"
+timeout 30 $PY -m launch.bench attention --seq 16384 --dtype bfloat16 --heads 8 --kv-heads 2 --head-dim 64 \
+  --repeats 5 --paths block_sparse,block_sparse_pallas,cudnn --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
 echo "done"

@@ -30,8 +30,8 @@ echo "best blocks: ${BEST:=128,128,4,2}"
 echo "== 3. the table (bf16, B=1, H=8, D=64, K=8; then K=2, the paper's GQA, at 16k)"
 for SEQ in 16384 1024 4096 65536 2048 8192 32768; do
   timeout 300 $PY -m launch.bench attention --seq $SEQ --dtype bfloat16 --heads 8 --kv-heads 8 --head-dim 64 \
-    --repeats 10 --paths dense,static,learned,static_pallas,learned_pallas --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
+    --repeats 10 --paths dense,static,learned,static_pallas,learned_pallas,block_sparse,block_sparse_pallas --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
 done
 timeout 300 $PY -m launch.bench attention --seq 16384 --dtype bfloat16 --heads 8 --kv-heads 2 --head-dim 64 \
-  --repeats 10 --paths dense,static,learned,static_pallas,learned_pallas --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
+  --repeats 10 --paths dense,static,learned,static_pallas,learned_pallas,block_sparse,block_sparse_pallas --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
 echo "done"

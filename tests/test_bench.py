@@ -70,3 +70,9 @@ def test_train_bench_names_the_devices_each_config_ran_on(capsys):
     assert "available devices=8" in out
     row = next(line for line in out.splitlines() if line.startswith("| dense "))
     assert row.split("|")[4].strip() == "2"
+
+
+def test_attention_bench_times_the_block_sparse_kernel(capsys):
+    """The Pallas block-sparse row (interpret mode here) and its ratio to the XLA path."""
+    assert bench.main(["attention", "--seq", "64", "--paths", "block_sparse,block_sparse_pallas", "--repeats", "1", "--pallas-blocks", "32,32"]) == 0
+    assert re.search(r"\| 64 \| block_sparse_pallas / block_sparse \| [\d.]+ \| [\d.]+ \|", capsys.readouterr().out)

@@ -19,6 +19,7 @@ from fibjax.attention import attended_distances, interpolated_attention, offset_
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.pallas import backend as pallas_backend
+from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from tests import oracle
 from tests.tiers import first_fast, slow
 
@@ -194,3 +195,18 @@ def test_forward_and_backward_lower_without_hardware(platform, path, dtype):
         assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
     for kernel in ("offset_attention_fwd", "offset_attention_dq", "offset_attention_dkdv"):
         assert kernel in text
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("platform", sorted(LOWERINGS))
+def test_block_sparse_kernel_lowers_without_hardware(platform, dtype):
+    """The block-sparse forward kernel (its backward is XLA: block_grouped) in a training step's program."""
+    backend, marker = LOWERINGS[platform]
+    attend = functools.partial(block_sparse_attention_pallas, block_size=16, num_blocks=4, return_lse=True, backend=backend)
+
+    def fwd_and_grads(q, k, v):
+        return jax.grad(lambda q, k, v: sum(jnp.sum(x.astype(F32)) for x in attend(q, k, v)), (0, 1, 2))(q, k, v)
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, 512, 8, 64), (2, 512, 2, 64), (2, 512, 2, 64))]
+    text = jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert text.count(marker) == 1 and "block_sparse_attention_fwd" in text

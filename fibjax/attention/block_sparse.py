@@ -14,10 +14,12 @@ block may be ragged). Query i in block c = i // B attends:
 then an exact float32 softmax over every key of the selected blocks. S = ``num_blocks``.
 NSA (``nsa.py``) reuses this with its compressed keys in place of the block means.
 
-Nothing is [T, T]: queries go in chunks (one ``lax.map`` step each, rematerialised in the
-backward); a chunk scores its queries against the T/B block means, keeps the top S-1 with
-``lax.top_k`` (which puts equal values at the lower index first), and gathers the S selected
-blocks of K and V per query: O(T x S x B x D) for the attention, O(T x T/B x D) for the choice.
+Nothing is [T, T]. The choice: queries in chunks (one ``lax.map`` step each), a chunk scoring its
+queries against the block means and keeping the top S-1 with ``lax.top_k`` (which puts equal
+values at the lower index first); chunks go in runs that read only the blocks before the run's
+end (about 9/16 of a [T, T/B] product). The attention: ``block_grouped``, the (query, block)
+pairs grouped by block, so its cost follows the S x B keys a query reads. O(T x S x D) memory
+traffic for the attention, O(T x T/B x D) arithmetic for the choice.
 Decisions and figures: BUILD_NOTES.md, "Block-sparse attention and passkey".
 """
 
@@ -30,11 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fibjax.attention.common import Array, check_qkv, finish, masked_softmax, stats_dtype
+from fibjax.attention import block_grouped
+from fibjax.attention.common import Array, check_qkv, finish, group_queries, masked_softmax
 
-# Queries per lax.map step: bounds the gathered K/V at chunk x S x B x K x D per batch row.
-# 256 beat 512 on CPU in time and memory (BUILD_NOTES); untuned on accelerators.
+# Queries per lax.map step of the choice: bounds its scores at chunk x T/B per KV head.
 QUERY_CHUNK = 256
+# Runs of chunks, each reading the blocks up to its end (as dense.KEY_SEGMENTS)
+RANK_SEGMENTS = 8
+
+BLOCK_RANKS = ("mean_key", "nsa_prob")
 
 
 def _pad_to(x_BTKD: Array, t_pad: int) -> Array:
@@ -47,76 +53,69 @@ def _block_sums(k_BTKD: Array, block: int) -> Array:
     return jnp.sum(k_BTKD.reshape(b, t // block, block, kh, d).astype(jnp.float32), axis=2)
 
 
-BLOCK_RANKS = ("mean_key", "nsa_prob")
-
-
-def _select(q_BCKGD: Array, rank_BNKD: Array, query_start, *, block: int, top: int, rule: str) -> Array:
-    """Selected blocks [B,C,K,1+top] int32 for queries query_start + [0, C): slot 0 is the own
-    block, then the ``top`` best earlier blocks in descending score; -1 marks an empty slot.
-    ``rank_BNKD``: the key standing for each block (``_rank_keys``); q is not yet scaled.
+def _select(q_BKGCD: Array, rank_BKND: Array, query_start, *, block: int, top: int, rule: str) -> Array:
+    """The ``top`` best earlier blocks [B,K,C,top] int32 of queries query_start + [0, C), in
+    descending score; -1 marks an empty slot. ``rank_BKND``: the key standing for each block
+    (``_rank_keys``), at least the blocks before the chunk's end; q is not yet scaled.
 
     ``mean_key`` scores q . sum(K_b) rather than q . mean(K_b): every candidate b < c is a full
     block, so the two differ by the constant factor B and rank identically (and the sum is exact
     for dyadic test inputs, which makes ties reproducible)."""
-    own_C = (query_start + jnp.arange(q_BCKGD.shape[1])) // block
-    own_BCKS = jnp.broadcast_to(own_C[None, :, None, None], (*q_BCKGD.shape[:3], 1)).astype(jnp.int32)
-    if top == 0:
-        return own_BCKS
-    q_BCKGD, rank_BNKD = jax.lax.stop_gradient(q_BCKGD).astype(jnp.float32), jax.lax.stop_gradient(rank_BNKD)
+    b, kh, g, c, d = q_BKGCD.shape
+    n = rank_BKND.shape[2]
+    own_C = (query_start + jnp.arange(c)) // block
+    q_BKGCD, rank_BKND = jax.lax.stop_gradient(q_BKGCD).astype(jnp.float32), jax.lax.stop_gradient(rank_BKND)
     # full float32 even where TF32 / bf16 passes are the default (GPU, TPU): the choice is discrete
     hi = jax.lax.Precision.HIGHEST
     if rule == "mean_key":
-        s_BCKN = jnp.einsum("bckd,bnkd->bckn", jnp.sum(q_BCKGD, axis=3), rank_BNKD, precision=hi)
+        s_BKCN = jnp.einsum("bkcd,bknd->bkcn", jnp.sum(q_BKGCD, axis=2), rank_BKND, precision=hi)
     else:
-        s_BCKGN = jnp.einsum("bckgd,bnkd->bckgn", q_BCKGD, rank_BNKD, precision=hi) / math.sqrt(q_BCKGD.shape[-1])
+        s_BKGCN = jnp.einsum("bkgcd,bknd->bkgcn", q_BKGCD, rank_BKND, precision=hi) / math.sqrt(d)
         # each head's softmax over the blocks wholly in the past (the own one once complete), as NSA's p_cmp
-        pos_C = query_start + jnp.arange(q_BCKGD.shape[1])
-        past_CN = jnp.arange(rank_BNKD.shape[1])[None, :] < ((pos_C + 1) // block)[:, None]
-        p_BCKGN, _ = masked_softmax(s_BCKGN, past_CN[None, :, None, None, :])
-        s_BCKN = jnp.sum(p_BCKGN, axis=3)
-    earlier_CN = jnp.arange(rank_BNKD.shape[1])[None, :] < own_C[:, None]
-    _, idx_BCKS = jax.lax.top_k(jnp.where(earlier_CN[None, :, None, :], s_BCKN, -jnp.inf), top)
+        pos_C = query_start + jnp.arange(c)
+        past_CN = jnp.arange(n)[None, :] < ((pos_C + 1) // block)[:, None]
+        p_BKGCN, _ = masked_softmax(s_BKGCN, past_CN)
+        s_BKCN = jnp.sum(p_BKGCN, axis=2)
+    earlier_CN = jnp.arange(n)[None, :] < own_C[:, None]
+    _, idx_BKCE = jax.lax.top_k(jnp.where(earlier_CN, s_BKCN, -jnp.inf), min(top, n))
     # a slot is filled iff its block is earlier; -inf candidates sort after every real score
-    idx_BCKS = jnp.where(idx_BCKS < own_C[None, :, None, None], idx_BCKS, -1).astype(jnp.int32)
-    return jnp.concatenate([own_BCKS, idx_BCKS], axis=-1)
+    idx_BKCE = jnp.where(idx_BKCE < own_C[:, None], idx_BKCE, -1).astype(jnp.int32)
+    return jnp.pad(idx_BKCE, ((0, 0), (0, 0), (0, 0), (0, top - idx_BKCE.shape[-1])), constant_values=-1)
 
 
 def _rank_keys(k_BTKD: Array, rank_keys: Array | None, *, block: int, rule: str) -> Array:
-    """[B,N,K,D] float32 (N = T / block, T padded): the given ``rank_keys`` (zeros for the blocks
+    """[B,K,N,D] float32 (N = T / block, T padded): the given ``rank_keys`` (zeros for the blocks
     past them, never candidates), else the key sums (``mean_key``) or means (``nsa_prob``)."""
     n = k_BTKD.shape[1] // block
     if rank_keys is not None:
-        return jnp.pad(rank_keys.astype(jnp.float32), ((0, 0), (0, n - rank_keys.shape[1]), (0, 0), (0, 0)))
-    ksum_BNKD = _block_sums(k_BTKD, block)
-    return ksum_BNKD if rule == "mean_key" else ksum_BNKD / block
+        rank_BNKD = jnp.pad(rank_keys.astype(jnp.float32), ((0, 0), (0, n - rank_keys.shape[1]), (0, 0), (0, 0)))
+    else:
+        rank_BNKD = _block_sums(k_BTKD, block) / (1 if rule == "mean_key" else block)
+    return jnp.swapaxes(rank_BNKD, 1, 2)
 
 
-def _gather_blocks(x_BKNJD: Array, idx_BCKS: Array) -> Array:
-    """[B,K,N,J,D] by [B,C,K,S] -> [B,K,C,S,J,D] (the backward is a scatter-add)."""
-    idx_BKCS = jnp.transpose(jnp.maximum(idx_BCKS, 0), (0, 2, 1, 3))
-    return jax.vmap(jax.vmap(lambda x_NJD, i_CS: x_NJD[i_CS]))(x_BKNJD, idx_BKCS)
-
-
-def _chunk(qraw_BCKGD: Array, k_BKNJD: Array, v_BKNJD: Array, rank_BNKD: Array, query_start, *, block: int, top: int, rule: str):
-    """Outputs [B,C,K,G,D] and lse [B,C,K,G] of queries query_start + [0, C) (q not yet scaled)."""
-    idx_BCKS = _select(qraw_BCKGD, rank_BNKD, query_start, block=block, top=top, rule=rule)
-    # the same rounding as group_queries, so the scores match every other path's
-    q_BCKGD = (qraw_BCKGD * (1.0 / math.sqrt(qraw_BCKGD.shape[-1]))).astype(qraw_BCKGD.dtype)
-    k_BKCSJD, v_BKCSJD = _gather_blocks(k_BKNJD, idx_BCKS), _gather_blocks(v_BKNJD, idx_BCKS)
-    s_BKGCSJ = jnp.einsum("bckgd,bkcsjd->bkgcsj", q_BCKGD, k_BKCSJD, preferred_element_type=stats_dtype(q_BCKGD))
-    pos_C = query_start + jnp.arange(q_BCKGD.shape[1])
-    key_BCKSJ = idx_BCKS[..., None] * block + jnp.arange(block)
-    # filled slot, and causal: only the own block can reach past the query
-    valid_BCKSJ = (idx_BCKS[..., None] >= 0) & (key_BCKSJ <= pos_C[None, :, None, None, None])
-    valid_BK1CSJ = jnp.transpose(valid_BCKSJ, (0, 2, 1, 3, 4))[:, :, None]
-    b, k, g, c, s, j = s_BKGCSJ.shape
-    p, lse_BKGC = masked_softmax(s_BKGCSJ.reshape(b, k, g, c, s * j), valid_BK1CSJ.reshape(b, k, 1, c, s * j))
-    o_BCKGD = jnp.einsum("bkgcsj,bkcsjd->bckgd", p.reshape(s_BKGCSJ.shape), v_BKCSJD.astype(p.dtype))
-    return o_BCKGD, jnp.transpose(lse_BKGC, (0, 3, 1, 2))
+def _choose(q_BKGTD: Array, rank_BKND: Array, *, block: int, top: int, rule: str, chunk: int) -> Array:
+    """Earlier blocks [B,K,T,top] of every query (T a multiple of ``chunk``, a multiple of
+    ``block``): chunks of queries in runs, each run reading the blocks before its end."""
+    t = q_BKGTD.shape[3]
+    m = t // chunk
+    bounds = [round(i * m / min(RANK_SEGMENTS, m)) * chunk for i in range(min(RANK_SEGMENTS, m) + 1)]
+    parts = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        rank_seg = rank_BKND[:, :, : e // block]
+        body = functools.partial(_select, rank_BKND=rank_seg, block=block, top=top, rule=rule)
+        if e - s == chunk:
+            parts.append(body(q_BKGTD[:, :, :, s:e], query_start=s))
+            continue
+        q_MBKGCD = jnp.moveaxis(q_BKGTD[:, :, :, s:e].reshape(*q_BKGTD.shape[:3], (e - s) // chunk, chunk, -1), 3, 0)
+        idx_M = jax.lax.map(lambda xs: body(xs[0], query_start=xs[1]), (q_MBKGCD, s + chunk * jnp.arange((e - s) // chunk, dtype=jnp.int32)))
+        parts.append(jnp.moveaxis(idx_M, 0, 2).reshape(*q_BKGTD.shape[:2], e - s, top))
+    return jnp.concatenate(parts, axis=2)
 
 
 def _layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
-    """(queries per chunk, padded length): the chunk is a multiple of the block and divides the length."""
+    """(queries per chunk of the choice, padded length): the chunk is a multiple of the block
+    and divides the length."""
     t_blocks = -(-t // block) * block
     chunk = min(max(1, query_chunk // block) * block, t_blocks)
     return chunk, -(-t // chunk) * chunk
@@ -127,7 +126,22 @@ def num_earlier_blocks(t: int, block: int, num_blocks: int) -> int:
     return min(num_blocks - 1, -(-t // block) - 1)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk", "block_rank"))
+def _chosen_blocks(q: Array, k: Array, rank_keys: Array | None, *, block: int, top: int, rule: str, chunk: int) -> Array:
+    """[B,K,T',1+top] for q [B,T,H,D], k [B,T,K,D] (T' = T rounded up to ``block``): slot 0 the
+    query's own block, then its choice; the padded queries choose nothing."""
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    chunk, t_pad = _layout(t, block, chunk)
+    t_blocks = -(-t // block) * block
+    q_BKGTD = jnp.transpose(_pad_to(q, t_pad).reshape(b, t_pad, kh, h // kh, d), (0, 2, 3, 1, 4))
+    rank_BKND = _rank_keys(_pad_to(k, t_pad), rank_keys, block=block, rule=rule)
+    idx_BKTE = _choose(q_BKGTD, rank_BKND, block=block, top=top, rule=rule, chunk=chunk)[:, :, :t_blocks]
+    idx_BKTE = jnp.where((jnp.arange(t_blocks) < t)[:, None], idx_BKTE, -1)
+    own_BKT1 = jnp.broadcast_to((jnp.arange(t_blocks, dtype=jnp.int32) // block)[:, None], (b, kh, t_blocks, 1))
+    return jnp.concatenate([own_BKT1, idx_BKTE], axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk", "block_rank", "pair_tile", "tile_chunk"))
 def block_sparse_attention_xla(
     q: Array,
     k: Array,
@@ -139,29 +153,23 @@ def block_sparse_attention_xla(
     query_chunk: int = QUERY_CHUNK,
     block_rank: str = "mean_key",
     rank_keys: Array | None = None,
+    pair_tile: int = block_grouped.TILE,
+    tile_chunk: int = block_grouped.CHUNK,
 ):
     """The XLA program behind :func:`block_sparse_attention` (no argument checks). ``rank_keys``
-    [B, N', K, D] (N' <= T // block_size, NSA's compressed keys) replace the block means in the ranking."""
+    [B, N', K, D] (N' <= T // block_size, NSA's compressed keys) replace the block means in the
+    ranking. ``query_chunk``: queries per step of the choice; ``pair_tile``, ``tile_chunk``: the
+    attention's tiles (``block_grouped``)."""
     b, t, h, d = q.shape
     kh = k.shape[2]
-    chunk, t_pad = _layout(t, block_size, query_chunk)
     top = num_earlier_blocks(t, block_size, num_blocks)
+    idx_BKTS = _chosen_blocks(q, k, rank_keys, block=block_size, top=top, rule=block_rank, chunk=query_chunk)
+    t_blocks = idx_BKTS.shape[2]
     # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
-    q, k, v = (_pad_to(x, t_pad) for x in (q, k, v))
-    q_BTKGD = q.reshape(b, t_pad, kh, h // kh, d)
-    n = t_pad // block_size
-    k_BKNJD, v_BKNJD = (jnp.transpose(x.reshape(b, n, block_size, kh, d), (0, 3, 1, 2, 4)) for x in (k, v))
-    rank_BNKD = _rank_keys(k, rank_keys, block=block_size, rule=block_rank)
-    body = functools.partial(_chunk, block=block_size, top=top, rule=block_rank)
-    if t_pad == chunk:
-        o_BTKGD, lse_BTKG = body(q_BTKGD, k_BKNJD, v_BKNJD, rank_BNKD, 0)
-    else:
-        m = t_pad // chunk
-        q_MBCKGD = jnp.moveaxis(q_BTKGD.reshape(b, m, chunk, *q_BTKGD.shape[2:]), 1, 0)
-        step = jax.checkpoint(lambda xs: body(xs[0], k_BKNJD, v_BKNJD, rank_BNKD, xs[1]))
-        o_M, lse_M = jax.lax.map(step, (q_MBCKGD, jnp.arange(m, dtype=jnp.int32) * chunk))
-        o_BTKGD = jnp.moveaxis(o_M, 0, 1).reshape(b, t_pad, *q_BTKGD.shape[2:])
-        lse_BTKG = jnp.moveaxis(lse_M, 0, 1).reshape(b, t_pad, *q_BTKGD.shape[2:4])
+    q, k, v = (_pad_to(x, t_blocks) for x in (q, k, v))
+    q_BTKGD = group_queries(q, kh)  # the same rounding as every other path's
+    layout = block_grouped.pair_layout(idx_BKTS, t_blocks // block_size, tile=pair_tile, chunk=tile_chunk)
+    o_BTKGD, lse_BTKG = block_grouped.grouped_attention(q_BTKGD, k, v, layout, block_size, pair_tile, tile_chunk)
     return finish(o_BTKGD, lse_BTKG, q[:, :t], return_lse)
 
 
@@ -196,18 +204,10 @@ def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "block_rank"))
 def _select_all(q: Array, k: Array, rank_keys: Array | None, *, block_size: int, num_blocks: int, block_rank: str) -> Array:
-    b, t, h, d = q.shape
-    _, t_pad = _layout(t, block_size, t)
-    q, k = _pad_to(q, t_pad), _pad_to(k, t_pad)
-    idx = _select(
-        q.reshape(b, t_pad, k.shape[2], h // k.shape[2], d),
-        _rank_keys(k, rank_keys, block=block_size, rule=block_rank),
-        0,
-        block=block_size,
-        top=num_earlier_blocks(t, block_size, num_blocks),
-        rule=block_rank,
-    )
-    return idx[:, :t]
+    t = q.shape[1]
+    top = num_earlier_blocks(t, block_size, num_blocks)
+    idx_BKTS = _chosen_blocks(q, k, rank_keys, block=block_size, top=top, rule=block_rank, chunk=QUERY_CHUNK)
+    return jnp.swapaxes(idx_BKTS, 1, 2)[:, :t]
 
 
 def select_blocks(q: Array, k: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", rank_keys: Array | None = None) -> Array:

@@ -6,7 +6,8 @@ Paths are registered in ``PATHS`` (name -> builder); each builder gets the case 
 into static ones. fwd+bwd differentiates q, k, v and alpha. Ratios are computed from timings
 taken in the same process.
 
-``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (interpret mode on
+``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (``block_sparse_pallas``:
+the forward kernel, the backward XLA) (interpret mode on
 CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU only when named
 in ``--paths``), ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")``, causal
 and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.bench import torch_sdpa
 from fibjax.bench.timing import Measurement, Timer, ratio
 
@@ -73,6 +75,11 @@ def _static_pallas(case: Case) -> Callable:
 
 def _learned_pallas(case: Case) -> Callable:
     return lambda q, k, v, alpha: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha, block_sizes=case.block_sizes)
+
+
+def _block_sparse_pallas(case: Case) -> Callable:
+    blocks = dict(block_size=case.sparse_block, num_blocks=case.sparse_blocks)
+    return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, **blocks, block_sizes=case.block_sizes)
 
 
 def _cudnn(case: Case) -> Callable:
@@ -130,6 +137,7 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "nsa": _nsa,
     "static_pallas": _static_pallas,
     "learned_pallas": _learned_pallas,
+    "block_sparse_pallas": _block_sparse_pallas,
     "cudnn": _cudnn,
 }
 # paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
@@ -148,6 +156,8 @@ RATIOS: list[tuple[str, str]] = [
     ("learned_pallas", "static_pallas"),
     ("static_pallas", "cudnn"),
     ("learned_pallas", "cudnn"),
+    ("block_sparse_pallas", "block_sparse"),
+    ("block_sparse_pallas", "cudnn"),
     ("static_pallas", "dense"),  # on TPU, dense is JAX's Pallas flash attention (fibjax/attention/fused.py)
 ]
 
