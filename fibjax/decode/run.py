@@ -22,9 +22,10 @@ from fibjax import kinds
 from fibjax.config import TrainConfig
 from fibjax.data.token_files import TOKENIZER_FILE
 from fibjax.data.tokenizer import Tokenizer
+from fibjax.errors import FibjaxError
 
 
-class SampleError(ValueError):
+class SampleError(FibjaxError, ValueError):
     """The run cannot be sampled as asked; the message says why and what to do."""
 
 

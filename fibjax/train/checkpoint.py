@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from fibjax import distributed
 from fibjax.config import CheckpointConfig, TrainConfig, from_dict, to_dict
 from fibjax.data.token_files import file_sha256, free_space, human_bytes, write_json_atomically
+from fibjax.errors import FibjaxError
 from fibjax.train.lock import LOCK_FILE
 
 CONFIG_FILE = "config.json"
@@ -89,7 +90,7 @@ def saved_renames(state_dir: Path) -> dict[str, str]:
     return {old: new for old, new in RENAMED_KEYS.items() if old in keys}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FibjaxError, RuntimeError):
     """A checkpoint or workdir cannot be used; the message says why and what to do."""
 
 

@@ -21,10 +21,12 @@ import socket
 import time
 from pathlib import Path
 
+from fibjax.errors import FibjaxError
+
 LOCK_FILE = "fibjax.lock"
 
 
-class WorkdirInUse(RuntimeError):
+class WorkdirInUse(FibjaxError, RuntimeError):
     """Another run holds the workdir; the message names its host and pid."""
 
 

@@ -32,6 +32,7 @@ from fibjax import distributed
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.data import DataError
 from fibjax.data.token_files import META_FILE, check_token_ids, free_space, open_tokens
+from fibjax.errors import FibjaxError
 from fibjax.train import init_from, sharding
 from fibjax.train.checkpoint import (
     Checkpointer,
@@ -57,7 +58,7 @@ _FAULT_ENV = "FIBJAX_FAULT_AFTER_SAVE"
 _BATCH_LOG_ENV = "FIBJAX_LOG_BATCHES"
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(FibjaxError, RuntimeError):
     pass
 
 
