@@ -18,11 +18,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fibjax import sharding
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from fibjax.probe import geometry, soft_width
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, forced_choice_correct, marked_batch, marked_correct, max_retrieval_distance, retrieval_batch
-from fibjax.train import sharding, step
+from fibjax.train import step
 
 # name -> AttentionConfig fields (plus the probe's window): the paper's probe conditions
 CONDITIONS: dict[str, dict] = {
