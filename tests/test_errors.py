@@ -71,3 +71,12 @@ def test_an_unknown_name_of_a_moved_module_is_an_attribute_error_without_a_warni
             _ = importlib.import_module("fibjax.train.checkpoint").nothing_here
         with pytest.raises(AttributeError):
             _ = runner.Checkpointer  # imported by fibjax.run.load, but never a name of eval.runner
+
+
+@pytest.mark.parametrize(("old", "new"), [("alpha_to_theta", "alpha_to_logit"), ("learned_rung_bases", "rung_slots"), ("learned_rung_spec", "rung_taps")])
+def test_the_old_attention_names_warn_naming_the_new_one(old, new):
+    import fibjax.attention as fa
+
+    assert old not in fa.__all__
+    with pytest.warns(DeprecationWarning, match=rf"fibjax\.attention\.{old} is deprecated: use fibjax\.attention\.{new}$"):
+        assert getattr(fa, old) is getattr(fa, new)
