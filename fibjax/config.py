@@ -327,10 +327,11 @@ class EvalConfig:
     every_steps: int = 0
     # tokens of each validation source scored for a validation-curve point
     curve_tokens: int = 32768
-    # lengths of the validation curve as multiples of seq_len: 1 is val/<source>, m > 1 is
-    # val_<m>x/<source> (the extrapolation curve against tokens seen), scored on the first
-    # ``curve_long_tokens`` tokens of each source so that it stays a few percent of a run's time
+    # lengths of the validation curve as multiples of seq_len (must include 1): 1 is
+    # val/<source>, m > 1 is val_<m>x/<source>, the extrapolation curve against tokens seen
     curve_multipliers: tuple[int, ...] = (1,)
+    # tokens of each validation source scored at each curve length beyond 1x (few: a longer
+    # window costs more per token, and the curve should stay a small part of a run's time)
     curve_long_tokens: int = 8192
 
     def __post_init__(self):
