@@ -107,3 +107,13 @@ def test_tpu_layout_matches_gpu_layout():
     for tpu, gpu in zip(call(prefetch=True), call(prefetch=False)):
         assert np.any(np.asarray(gpu) != 0)
         np.testing.assert_allclose(np.asarray(tpu), np.asarray(gpu), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("backend", "heads", "head_dim", "block", "problem"),
+    [("triton", 6, 8, 16, "heads per KV head"), ("triton", 4, 12, 16, "head_dim"), ("triton", 4, 8, 12, "block_size"), ("mosaic_tpu", 4, 8, 12, "block_size")],
+)
+def test_shapes_a_compiler_rejects_are_named(backend, heads, head_dim, block, problem):
+    q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(0), 1, 64, heads, 2, head_dim)
+    with pytest.raises(ValueError, match=problem):
+        block_sparse_attention_pallas(q, k, v, block_size=block, num_blocks=2, backend=backend)

@@ -94,6 +94,17 @@ def _attention_bwd(spec: _Spec, residuals, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def _check_shapes(spec: _Spec, group: int, head_dim: int) -> None:
+    """What the compilers take: Triton loads only power-of-two shapes ([G, D] query rows, [J, D]
+    key blocks); on TPU the dk/dv kernel's [J, D] key block needs J a multiple of 8 (sublanes)."""
+    if spec.backend == "triton":
+        for name, x in (("block_size", spec.block), ("query heads per KV head", group), ("head_dim", head_dim)):
+            if x & (x - 1):
+                raise ValueError(f"the Triton block-sparse kernels need {name} a power of two, got {x}")
+    if spec.backend == "mosaic_tpu" and spec.block % 8:
+        raise ValueError(f"the TPU block-sparse kernels need block_size a multiple of 8, got {spec.block}")
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "block_rank", "return_lse", "block_sizes", "backend"))
 def block_sparse_attention_pallas(
     q: Array,
@@ -110,8 +121,9 @@ def block_sparse_attention_pallas(
     """:func:`fibjax.attention.block_sparse_attention` (no argument checks) on the Pallas kernels;
     ``block_sizes.block_q`` query rows per forward / dq program, ``block_k`` pairs per dk/dv one."""
     t = q.shape[1]
+    spec = _Spec(block_size, t, (block_sizes or be.BlockSizes()).fit(t), be.resolve(backend))
+    _check_shapes(spec, q.shape[2] // k.shape[2], q.shape[3])
     top = num_earlier_blocks(t, block_size, num_blocks)
     idx_BKTS = _chosen_blocks(q, k, None, block=block_size, top=top, rule=block_rank, chunk=256)
-    spec = _Spec(block_size, t, (block_sizes or be.BlockSizes()).fit(t), be.resolve(backend))
     out, lse = _attention(spec, q, k, v, jax.lax.stop_gradient(idx_BKTS))
     return (out, lse) if return_lse else out
