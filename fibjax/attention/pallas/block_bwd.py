@@ -9,11 +9,11 @@ tile: it reads its block's J keys and values once, walks the tile's pairs (a pre
 the loop stops at the tile's count), recomputes p = exp(s - lse) from the forward's lse for the
 row's G query heads and accumulates dk = ds^T q, dv = p^T do in float32. Each tile writes its
 own partial [J, D]; XLA adds the partials of a block's tiles (sorted: a segment sum). Partials
-rather than accumulation across programs: a Triton program cannot revisit an output block, and
-the partials are ~3x dk in float32 at R = 128, S = 16, J = 16 (ceil(T S / R) + T / J tiles).
+rather than adding into one output block: Triton programs run in any order (a TPU could add
+across a sequential tile axis; one code path for both was preferred), and the partials are ~3x
+dk in float32 at R = 128, S = 16, J = 16 (at most ceil(T S / R) + T / J tiles).
 
-Tile scalars: each tile's block and count, flat [B K X] int32 (1-D: SMEM pads a 2-D array's
-last axis to 128 lanes). On TPU they are scalar-prefetched (``PrefetchScalarGridSpec``) and the
+Tile scalars: each tile's block and count, flat [B K X] int32. On TPU they are scalar-prefetched (``PrefetchScalarGridSpec``) and the
 K/V index map reads the tile's block from them, so a program DMAs only its J x D keys and values
 (splash attention's way of passing its mask's blocks); Triton has no scalar prefetch, so there
 the kernel gets them as plain arrays and slices its block out of the whole K/V. A tile's query
