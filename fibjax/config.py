@@ -328,10 +328,20 @@ class EvalConfig:
     every_steps: int = 0
     # tokens of each validation source scored for a validation-curve point
     curve_tokens: int = 32768
+    # lengths of the validation curve as multiples of seq_len (must include 1): 1 is
+    # val/<source>, m > 1 is val_<m>x/<source>, the extrapolation curve against tokens seen
+    curve_multipliers: tuple[int, ...] = (1,)
+    # tokens of each validation source scored at each curve length beyond 1x (few: a longer
+    # window costs more per token, and the curve should stay a small part of a run's time)
+    curve_long_tokens: int = 8192
 
     def __post_init__(self):
         _require(self.every_steps >= 0, "every_steps", "must be >= 0 (0 = no validation curve)", self.every_steps)
         _require(self.curve_tokens >= 1, "curve_tokens", "must be >= 1", self.curve_tokens)
+        curve = self.curve_multipliers
+        _require(1 in curve and all(isinstance(m, int) and m >= 1 for m in curve), "curve_multipliers", "must be ints >= 1 and include 1", curve)
+        _require(len(set(curve)) == len(curve), "curve_multipliers", "must not repeat a length", curve)
+        _require(self.curve_long_tokens >= 1, "curve_long_tokens", "must be >= 1", self.curve_long_tokens)
         mults = self.length_multipliers
         _require(len(mults) > 0 and all(m >= 1 for m in mults), "length_multipliers", "must be ints >= 1", mults)
         _require(self.max_tokens >= 1 and self.batch_size >= 1, "max_tokens/batch_size", "must be >= 1", (self.max_tokens, self.batch_size))

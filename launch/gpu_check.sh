@@ -4,11 +4,12 @@
 # Uses the machine's own python3 and JAX (nothing is installed; nothing can be fetched there).
 # Writes $OUT/gpu_check.log (everything) and $OUT/table.md (the tables for BUILD_NOTES.md).
 # Steps, each bounded so a failure leaves the rest running:
-#   1. the Triton-compiled kernels against the XLA path on the GPU (forward, lse, all grads),
-#      PASS/FAIL at the test suite's tolerances (python -m launch.bench kernels);
+#   1. the Triton-compiled kernels (offset and block-sparse) against the XLA path on the GPU
+#      (forward, lse, all grads), PASS/FAIL at the test suite's tolerances (python -m launch.bench kernels);
 #   2. a block-size sweep of the Pallas rows at 16k tokens, fwd+bwd, picking the fastest;
 #   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas, cuDNN rows;
-#   4. the block-sparse rows at 16k (issue 31: the XLA path, the Pallas forward kernel, cuDNN dense).
+#   4. the block-sparse rows at 16k (issue 31: the XLA path, the Pallas kernels forward and
+#      backward, cuDNN dense).
 # Every step has a timeout; the sum stays under the device tool's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/.."

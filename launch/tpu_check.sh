@@ -5,12 +5,13 @@
 # Writes $OUT/tpu_check.log (everything) and $OUT/table.md (the tables for BUILD_NOTES.md).
 # Until its output is in BUILD_NOTES.md, implementation=None keeps the XLA path on TPU
 # (PALLAS_BY_DEFAULT in fibjax/attention/pallas/backend.py). Steps, each bounded:
-#   1. the Mosaic-compiled kernels against the XLA path on the TPU (forward, lse, all grads),
-#      PASS/FAIL at the test suite's tolerances (python -m launch.bench kernels);
+#   1. the Mosaic-compiled kernels (offset and block-sparse) against the XLA path on the TPU
+#      (forward, lse, all grads), PASS/FAIL at the test suite's tolerances (python -m launch.bench kernels);
 #   2. a block-size sweep of the Pallas rows at 16k tokens, fwd+bwd (multiples of 128: the
 #      TPU's lane width), picking the fastest;
-#   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas, and the dense
-#      row, which on TPU is JAX's Pallas flash attention (fibjax/attention/fused.py).
+#   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas (the block-sparse
+#      kernels forward and backward among them), and the dense row, which on TPU is JAX's Pallas
+#      flash attention (fibjax/attention/fused.py).
 # Rehearse it on CPU (interpret mode, small shapes, no timing): python -m launch.bench kernels --small
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -174,6 +174,20 @@ def test_given_tokenizer_is_reused_and_mismatches_are_refused(prepared, corpus, 
         load_meta(prepared, tokenizer_sha256="0" * 64)
 
 
+def test_validation_only_data_uses_a_given_tokenizer(prepared, corpus, tmp_path):
+    """``--val`` without ``--source``: held-out text tokenized with a run's tokenizer (evaluating
+    a run on new text); without the tokenizer it is refused, as is no input at all."""
+    meta = prepare(tmp_path / "val_only", {}, {"stories": str(corpus["stories_val"])}, tokenizer=prepared / "tokenizer.model", progress=False)
+    assert list(meta["sources"]) == ["stories"] and list(meta["sources"]["stories"]) == ["val"]
+    tok = Tokenizer.load(prepared / "tokenizer.model")
+    assert documents_in(np.asarray(validation_tokens(tmp_path / "val_only", "stories")), tok) == corpus["docs"]["stories_val"]
+    with pytest.raises(DataError, match="needs the tokenizer.*--tokenizer"):
+        prepare(tmp_path / "x", {}, {"stories": str(corpus["stories_val"])}, progress=False)
+    with pytest.raises(DataError, match="no source given"):
+        prepare(tmp_path / "y", {}, {}, tokenizer=prepared / "tokenizer.model", progress=False)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_corrupt_or_truncated_token_files_are_errors(prepared, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(prepared, copy)

@@ -40,7 +40,7 @@ def test_model_targets_give_the_nll_of_its_logits():
 
 def test_peak_memory_no_longer_scales_with_vocab_times_seq():
     """XLA's buffer assignment of the compiled gradient: unchunked, the temporaries hold several
-    [B, T, V] float32 arrays; chunked, about one [B, chunk, V] (BUILD_NOTES, "Chunked loss")."""
+    [B, T, V] float32 arrays; chunked, about one [B, chunk, V] (BUILD_NOTES, "Model", "Chunked output projection and loss")."""
     b, t, d, v = 1, 2048, 64, 8192
     x = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
     table = jax.ShapeDtypeStruct((v, d), jnp.float32)

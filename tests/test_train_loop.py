@@ -31,6 +31,8 @@ TINY = [
     "seq_len=32",
     "global_batch=8",
     "eval.at_end=false",
+    # no validation curve (configs/tiny.py draws one every 20 steps) unless a test asks for it
+    "eval.every_steps=0",
     "optim.warmup_steps=2",
     "log_every=1",
     # one of the 8 simulated devices: a tiny run sharded 8 ways spends its time compiling (4 s more per

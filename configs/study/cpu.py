@@ -24,6 +24,14 @@ LONG = ("--lengths", "256,2048,4096")
 # The five-seed test (BUILD_NOTES, "The five-seed test"): seeds 44-46 of fixed and stagger in
 # pairs, then learned, then a dense run for the 16x comparison; all from one commit.
 SEEDS = (44, 45, 46)
+# The scale trend (runs added after the five-seed test): validation curves at 1x and 4x against
+# tokens seen, 4x on the first 8,192 tokens of each source (about 1% of a run's time)
+CURVE = ("eval.curve_multipliers=1,4", "eval.curve_long_tokens=8192")
+FULL = (("--inference-mode", "full"),)
+# The same 8.2M tokens at 512 (8 x 512 a step), evaluated at 512, 1,024 and 2,048
+AT_512 = ("seq_len=512", "global_batch=8", *CURVE)
+# A dense model retrofitted with Fibonacci stagger attention: 300 steps from dense seed 44
+RETROFIT = ("init_from=runs/study/cpu/dense_seed44", "steps=300", "optim.warmup_steps=30", "checkpoint.every_steps=100", "eval.every_steps=50", *CURVE)
 
 
 def seeded(name: str, config: str, seed: int) -> StudyRun:
@@ -69,13 +77,17 @@ def get_study() -> Study:
             # stage 2: the rest of paper A's matrix at W8/W12, and paper B's methods
             StudyRun("fib_learned_w8", "configs/cpu/fib_learned_w8.py", stage=2),
             StudyRun("fib_coprime_w8", "configs/cpu/fib_coprime_w8.py", stage=2),
-            StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", stage=2),
-            StudyRun("fib_fixed_w12", "configs/cpu/fib_fixed_w12.py", stage=2),
-            StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", stage=2),
+            StudyRun("fib_fixed_w12", "configs/cpu/fib_fixed_w12.py", CURVE, stage=2, extra_evals=(LONG,)),
+            StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", CURVE, stage=2, extra_evals=(LONG,)),
+            StudyRun("dense_512", "configs/cpu/dense.py", AT_512, stage=2),
+            StudyRun("fib_stagger_w8_512", "configs/cpu/fib_stagger_w8.py", (*AT_512, "model.attention.max_rung=511"), stage=2),
+            StudyRun("ssa_nsa", "configs/ssa/cpu_nsa.py", CURVE, stage=2, extra_evals=FULL),
+            StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", CURVE, stage=2),
             StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
             StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW,)),
             StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
-            StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", stage=2, extra_evals=SPARSE),
+            StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", CURVE, stage=2, extra_evals=SPARSE),
+            StudyRun("dense_retrofit_stagger_w8", "configs/cpu/fib_stagger_w8.py", RETROFIT, stage=2, extra_evals=(LONG,)),
             # stage 3: continual training of paper B's FullAttn and SSA from 256 to 1024 tokens,
             # each evaluated at 1x-4x with and without YaRN (and SSA under sparse inference)
             StudyRun("ssa_fullattn_c1024", "configs/ssa/cpu_fullattn.py", continued("ssa_fullattn"), stage=3, extra_evals=(YARN_1024,)),

@@ -9,7 +9,7 @@ a Python loop and each reads only the keys before its end (the causal triangle: 
 work of a [T, T] product); beyond it the chunks go in ``key_segments`` runs, each a ``lax.map``
 (backward: ``lax.scan``) over its chunks reading the keys up to the run's end: with 8 even runs,
 about 9/16 of a [T, T] product at any T, in a program whose size does not grow with T.
-Measurements: BUILD_NOTES.md, "Dense attention".
+Measurements: BUILD_NOTES.md, "Attention paths", "Dense".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Every query reads the same shifted rows of K/V, so nothing here is ever [T, T]:
   the read when the call is only evaluated, read as two taps when it is differentiated.
 
 Band and slot scores share one float32 softmax. The formulation was chosen by measurement
-over an index gather and over slots-only: BUILD_NOTES.md, "XLA formulation".
+over an index gather and over slots-only: BUILD_NOTES.md, "Offsets in XLA (static)".
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _shift(x_BTKD: Array, d) -> Array:
     """out[:, i] = x[:, i - d] for a distance d >= 0 known at trace time (an int < 2**31), zeros
     where i < d (those entries are masked). A row gather, and the gather that shifts up for the
     backward: on CPU both beat a pad and a slice, whose transpose was much of the static path's
-    backward (BUILD_NOTES.md, "Fleet readiness"). d is an operand of the custom VJP (an int32
+    backward (BUILD_NOTES.md, "Offsets in XLA (static)", "Static shifts by a row gather"). d is an operand of the custom VJP (an int32
     inside it), so the gathers read computed indices; that is the program that was measured.
     Reverse mode only (no jvp). A traced shift keeps :func:`_shift_dynamic` (gathers cost it
     memory)."""
@@ -96,7 +96,8 @@ _shift_dynamic.defvjp(_shift_dynamic_fwd, _shift_dynamic_bwd)
 def _far_neighbour(near_BTKD: Array, lo: Array) -> Array:
     """x[max(i - lo - 1, 0)] from near = x[i - lo]: near one row earlier, except at i = lo where
     the clamp gives x[0] = near[lo]. One static shift instead of a second dynamic one (the
-    learned path was 17% faster end to end; BUILD_NOTES.md, "XLA formulation")."""
+    learned path was 17% faster end to end when this was measured, before the figures of
+    BUILD_NOTES.md, "Learned and interpolated offsets")."""
     t = near_BTKD.shape[1]
     at_lo_T = jnp.arange(t) == lo
     down_one = jnp.pad(near_BTKD, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :t]  # a pad, not _shift's gather: its VJP slowed this path
@@ -287,7 +288,7 @@ def _learned(q, k, v, alpha, window: int, base, return_lse: bool, blend_rungs: b
     return _sparse_attention(q, k, v, window=min(window, t - 1), distances=(), rungs=rungs, seq_len=t, return_lse=return_lse, blend_rungs=blend_rungs)
 
 
-# The two formulations of a learned rung win on different sides (BUILD_NOTES.md, "XLA formulation"):
+# The two formulations of a learned rung win on different sides (BUILD_NOTES.md, "Learned and interpolated offsets"):
 # blended keys and values read once (forward), near and far taps read apiece (backward, whose
 # alpha gradient then comes from [T, K, G] scores instead of [T, K, D] rows). A custom VJP gives
 # each its side: a call that is only evaluated runs the blended program, a differentiated call

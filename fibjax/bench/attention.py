@@ -7,7 +7,7 @@ into static ones. fwd+bwd differentiates q, k, v and alpha. Ratios are computed 
 taken in the same process.
 
 ``static``/``learned`` are the XLA paths, ``*_pallas`` the Pallas kernels (``block_sparse_pallas``:
-the forward kernel, the backward XLA) (interpret mode on
+forward, dq and dk/dv kernels; ``block_sizes.block_k`` is its pairs per dk/dv program) (interpret mode on
 CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU only when named
 in ``--paths``), ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")``, causal
 and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal

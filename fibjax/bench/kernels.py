@@ -4,7 +4,8 @@ platform (Triton on GPU, Mosaic on TPU, interpret mode on CPU), then their block
 This is the first step of the hardware checks (``launch/gpu_check.sh``, ``launch/tpu_check.sh``):
 a kernel that compiles but disagrees with the XLA path must not become a platform's default
 (``PALLAS_BY_DEFAULT`` in ``fibjax/attention/pallas/backend.py``). Each case prints the largest
-|pallas - xla| of the output, the lse and the gradients to q, k, v and alpha, and PASS or FAIL
+|pallas - xla| of the output, the lse and the gradients to q, k, v and alpha (block-sparse: no
+alpha, its gradient 0 on both sides), and PASS or FAIL
 against the tolerances below (those of the test suite's oracle comparisons; alpha's gradient, a
 sum over every query, is compared relative to its size).
 """
@@ -19,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fibjax.attention import attended_distances
+from fibjax.attention.block_sparse import block_sparse_attention_xla
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.bench import attention as attn_bench
 from fibjax.bench.timing import measure
 
@@ -47,6 +50,8 @@ SMALL_CASES = (KernelCase(200, 4, 4, "float32", head_dim=16, batch=1), KernelCas
 def _pairs(case: KernelCase, blocks: BlockSizes) -> dict:
     ds = attended_distances(window=WINDOW, base="fibonacci", alpha=ALPHA, seq_len=case.seq_len)
     learned = dict(window=WINDOW, base="fibonacci", return_lse=True)
+    # the bench's block-sparse row: 16 blocks of 16 (the choice is the same XLA code in both)
+    sparse = dict(block_size=attn_bench.Case.sparse_block, num_blocks=attn_bench.Case.sparse_blocks, return_lse=True)
     return {
         "static": (
             lambda q, k, v, a: offset_attention_pallas(q, k, v, distances=ds, return_lse=True, block_sizes=blocks),
@@ -55,6 +60,10 @@ def _pairs(case: KernelCase, blocks: BlockSizes) -> dict:
         "learned": (
             lambda q, k, v, a: interpolated_attention_pallas(q, k, v, alpha=a, block_sizes=blocks, **learned),
             lambda q, k, v, a: interpolated_attention_xla(q, k, v, alpha=a, **learned),
+        ),
+        "block_sparse": (
+            lambda q, k, v, a: block_sparse_attention_pallas(q, k, v, block_sizes=blocks, **sparse),
+            lambda q, k, v, a: block_sparse_attention_xla(q, k, v, **sparse),
         ),
     }
 

@@ -185,8 +185,11 @@ def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progr
 
 
 def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction) -> None:
-    if not sources:
-        raise DataError("no training source given (e.g. --source fineweb=/path/to/files)")
+    if not sources and not val:
+        raise DataError("no source given (e.g. --source fineweb=/path/to/files, or --val NAME=FILES for validation only)")
+    if not sources and not tokenizer:
+        # a tokenizer trained on held-out text alone would match no run: evaluation needs the run's
+        raise DataError("validation-only data (--val without --source) needs the tokenizer of the runs it evaluates: pass --tokenizer RUN_DATA/tokenizer.model")
     for name in (*sources, *val):
         check_name(name)
     for label, value in (("max_tokens", max_tokens), ("max_docs", max_docs), ("vocab_size", vocab_size)):

@@ -66,6 +66,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
             ("Training (and validation) loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
+            ("Extrapolation during training", "long_curve.png", lambda p: plot_long_curves(runs, p, styles)),
             ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p, styles)),
         ):
             if fn(out / name):
@@ -383,6 +384,39 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
         ax.set_title(name)
         ax.set_xlabel("training step")
     return _finish_panels(fig, axes, "validation NLL at the training length", "Validation loss during training", path)
+
+
+def _long_curve(run, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens seen, % change of perplexity at ``multiplier`` x the training length against 1x),
+    the NLLs averaged over the validation sources logged at both lengths."""
+    prefix = f"val_{multiplier}x/"
+    points = []
+    for m in run.metrics:
+        sources = [k[len(prefix) :] for k in m if k.startswith(prefix) and f"val/{k[len(prefix) :]}" in m]
+        if sources and "tokens" in m:
+            gap = np.mean([m[prefix + s] - m[f"val/{s}"] for s in sources])
+            points.append((m["tokens"], 100 * float(np.expm1(gap))))
+    return np.array([p[0] for p in points]), np.array([p[1] for p in points])
+
+
+def plot_long_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    """The validation curve beyond the training length (``eval.curve_multipliers``): how much
+    worse the perplexity is at m x the training length than at 1x, against tokens seen."""
+    runs = _one_per_workdir(runs)
+    mults = sorted({int(k[4 : k.index("x/")]) for r in runs for m in r.metrics for k in m if k.startswith("val_") and "x/" in k})
+    if not mults:
+        return False
+    fig, axes = _dataset_panels(len(mults))
+    for ax, mult in zip(axes.flat, mults):
+        ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
+        for r in runs:
+            tokens, change = _long_curve(r, mult)
+            if len(tokens):
+                s = styles[r.label]
+                ax.plot(tokens / 1e6, change, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=5, label=r.label)
+        ax.set_title(f"{mult}x the training length")
+        ax.set_xlabel("training tokens (millions)")
+    return _finish_panels(fig, axes, "perplexity change vs 1x (%)", "Extrapolation during training (mean over validation sets)", path)
 
 
 def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:

@@ -171,22 +171,33 @@ class _Preemption:
         return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
-def validation_batches(cfg: TrainConfig, data_dir: Path) -> dict[str, np.ndarray]:
-    """Per validation source, this process's rows of fixed batches [N, rows, T+1] for the
-    validation curve: the source's first ``eval.curve_tokens`` tokens cut into windows of
-    seq_len + 1 (a whole number of global batches; a source too short for one is left out)."""
+def curve_key(multiplier: int, source: str) -> str:
+    """The metrics key of a validation-curve point: val/<source> at the training length,
+    val_<m>x/<source> at m times it."""
+    return f"val/{source}" if multiplier == 1 else f"val_{multiplier}x/{source}"
+
+
+def validation_batches(cfg: TrainConfig, data_dir: Path, batch_shards: int) -> dict[str, np.ndarray]:
+    """Per validation-curve key (``curve_key``), this process's rows of fixed batches
+    [N, rows, m*T+1]: the source's first ``eval.curve_tokens`` tokens (``curve_long_tokens``
+    beyond 1x) cut into windows of m*seq_len + 1. At 1x a batch has the training batch's rows;
+    longer windows go in batches of fewer rows (a multiple of the ``batch_shards`` the batch is
+    split over). A source too short for one batch is left out of that length."""
     if not cfg.eval.every_steps:
         return {}
     meta = data_lib.load_meta(data_dir)
-    t, rows = cfg.seq_len + 1, cfg.global_batch
-    per_process = rows // jax.process_count()
     out = {}
     for name in data_lib.validation_sources(meta):
         stream = open_tokens(data_dir, meta, name, "val")
-        n = min(cfg.eval.curve_tokens // cfg.seq_len, len(stream) // t) // rows
-        if n:
-            batches = np.asarray(stream[: n * rows * t], dtype=np.int32).reshape(n, rows, t)
-            out[name] = batches[:, jax.process_index() * per_process : (jax.process_index() + 1) * per_process]
+        for m in cfg.eval.curve_multipliers:
+            t = m * cfg.seq_len + 1
+            tokens = cfg.eval.curve_tokens if m == 1 else cfg.eval.curve_long_tokens
+            windows = min(tokens // (m * cfg.seq_len), len(stream) // t)
+            rows = cfg.global_batch if m == 1 else max(batch_shards, min(windows, cfg.global_batch) // batch_shards * batch_shards)
+            if n := windows // rows:
+                batches = np.asarray(stream[: n * rows * t], dtype=np.int32).reshape(n, rows, t)
+                per_process = rows // jax.process_count()
+                out[curve_key(m, name)] = batches[:, jax.process_index() * per_process : (jax.process_index() + 1) * per_process]
     return out
 
 
@@ -311,17 +322,16 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
     bar = None  # opened once the first step has compiled, so that its rate and ETA leave compilation out
     pending, last_time, rates, shown = None, time.perf_counter(), [], {}  # shown: the bar's postfix
     batch_log = _batch_log()
-    val_batches = validation_batches(cfg, data_dir)
+    val_batches = validation_batches(cfg, data_dir, batch_shards=math.prod(trainer.mesh.shape[a] for a in sharding.BATCH_AXES))
 
     def validate(step, params):
         scalars = {
-            f"val/{name}": float(
-                np.mean([jax.device_get(trainer.val_loss(params, jax.make_array_from_process_local_data(trainer.batch_sharding, b))) for b in batches])
-            )
-            for name, batches in val_batches.items()
+            key: float(np.mean([jax.device_get(trainer.val_loss(params, jax.make_array_from_process_local_data(trainer.batch_sharding, b))) for b in batches]))
+            for key, batches in val_batches.items()
         }
-        writer.write(step, scalars)
-        shown["val"] = f"{np.mean(list(scalars.values())):.4f}"  # the mean over the validation sources
+        writer.write(step, {**scalars, "tokens": step * cfg.global_batch * cfg.seq_len})  # tokens seen: the x of curves across runs
+        # the bar shows the mean over the validation sources at the training length
+        shown["val"] = f"{np.mean([v for k, v in scalars.items() if k.startswith('val/')]):.4f}"
         bar.set_postfix(shown, refresh=False)
 
     def flush(pending):

@@ -73,16 +73,24 @@ def scalar_spec(backend: Backend) -> pl.BlockSpec:
     return pl.BlockSpec(memory_space=None)
 
 
-def call(kernel, *, backend: Backend, block_sizes: BlockSizes, grid, in_specs, out_specs, out_shape, name: str):
-    """``pl.pallas_call`` with the backend's compiler parameters; every grid axis is independent."""
+def call(kernel, *, backend: Backend, block_sizes: BlockSizes, grid, in_specs, out_specs, out_shape, name: str, scalar_prefetch: int = 0):
+    """``pl.pallas_call`` with the backend's compiler parameters; every grid axis is independent.
+
+    ``scalar_prefetch``: the first that many operands are scalar-prefetched (Mosaic's
+    ``PrefetchScalarGridSpec``: whole arrays in SMEM before the grid runs, passed to the kernel
+    first and to every index map after the grid indices, so a block's index can be data). The
+    interpreter runs it too; Triton has no scalar prefetch."""
     params = None
     if backend == "triton":
         params = pltriton.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages)
     elif backend == "mosaic_tpu":
         params = pltpu.CompilerParams(dimension_semantics=("parallel",) * len(grid))
-    return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, compiler_params=params, interpret=backend == "interpret", name=name
-    )
+    specs = dict(grid=grid, in_specs=in_specs, out_specs=out_specs)
+    if scalar_prefetch:
+        if backend == "triton":
+            raise ValueError("Pallas' Triton backend has no scalar prefetch")
+        specs = dict(grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=scalar_prefetch, **specs))
+    return pl.pallas_call(kernel, **specs, out_shape=out_shape, compiler_params=params, interpret=backend == "interpret", name=name)
 
 
 IMPLEMENTATIONS = (None, "xla", "pallas")

@@ -1,25 +1,23 @@
-"""Block-sparse attention with the Pallas forward kernel (``block_kernels``): layout and custom VJP.
+"""Block-sparse attention on Pallas kernels, forward and backward: layout and custom VJP.
 
 Same semantics, arguments and return values as ``block_sparse.block_sparse_attention_xla`` (the
-choice is the same XLA code, ``block_sparse._chosen_blocks``); the kernel attends. The backward
-is the XLA one of ``block_grouped`` (pairs grouped by key block) from the kernel's output and
-lse: a Pallas backward is not written yet (BUILD_NOTES, "Block-sparse attention").
+choice is the same XLA code, ``block_sparse._chosen_blocks``); the kernels attend: the forward
+and dq walk each query's blocks (``block_kernels``), dk/dv each block's queries (``block_bwd``,
+which builds that inverse map in XLA). Gradients are flash attention's, from the forward's lse.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from fibjax.attention import block_grouped
 from fibjax.attention.block_sparse import _chosen_blocks, _pad_to, num_earlier_blocks
-from fibjax.attention.common import Array, group_queries
+from fibjax.attention.common import Array
 from fibjax.attention.pallas import backend as be
-from fibjax.attention.pallas import block_kernels
+from fibjax.attention.pallas import block_bwd, block_kernels
 
 
 class _Spec(NamedTuple):
@@ -27,14 +25,40 @@ class _Spec(NamedTuple):
 
     block: int  # keys per block (J)
     seq_len: int
-    block_sizes: be.BlockSizes  # block_q: query rows per program
+    block_sizes: be.BlockSizes  # block_q: query rows per program; block_k: pairs per dk/dv program
     backend: str
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.seq_len // self.block)
 
     @property
     def padded_len(self) -> int:
         """T rounded up to whole key blocks, then to whole programs."""
-        t_blocks = -(-self.seq_len // self.block) * self.block
-        return -(-t_blocks // self.block_sizes.block_q) * self.block_sizes.block_q
+        return -(-self.num_blocks * self.block // self.block_sizes.block_q) * self.block_sizes.block_q
+
+    def kwargs(self) -> dict:
+        return dict(block=self.block, backend=self.backend, block_sizes=self.block_sizes)
+
+
+def _queries_to_kernel(x_BTHD: Array, num_kv: int, tp: int) -> Array:
+    """[B,T,H,D] -> [B,K,G,T',D], zero rows after the sequence."""
+    b, _, h, d = x_BTHD.shape
+    return jnp.transpose(_pad_to(x_BTHD, tp).reshape(b, tp, num_kv, h // num_kv, d), (0, 2, 3, 1, 4))
+
+
+def _rows_to_kernel(x_BTH: Array, num_kv: int, tp: int) -> Array:
+    """[B,T,H] -> [B,K,G,T'] (delta), zeros after the sequence."""
+    return _queries_to_kernel(x_BTH[..., None], num_kv, tp)[..., 0]
+
+
+def _queries_from_kernel(x_BKGTD: Array, t: int) -> Array:
+    b, kh, g, tp, d = x_BKGTD.shape
+    return jnp.transpose(x_BKGTD, (0, 3, 1, 2, 4)).reshape(b, tp, kh * g, d)[:, :t]
+
+
+def _keys_from_kernel(x_BKTD: Array, t: int) -> Array:
+    return jnp.swapaxes(x_BKTD[:, :, :t], 1, 2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -44,34 +68,41 @@ def _attention(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
 
 
 def _attention_fwd(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
-    b, t, h, d = q_BTHD.shape
-    kh, tp = k_BTKD.shape[2], spec.padded_len
-    q_BKGTD = jnp.transpose(_pad_to(q_BTHD, tp).reshape(b, tp, kh, h // kh, d), (0, 2, 3, 1, 4))
+    t, kh, tp = spec.seq_len, k_BTKD.shape[2], spec.padded_len
+    q_BKGTD = _queries_to_kernel(q_BTHD, kh, tp)
     k_BKTD, v_BKTD = (jnp.swapaxes(_pad_to(x, tp), 1, 2) for x in (k_BTKD, v_BTKD))
     blocks_BKTS = jnp.pad(idx_BKTS, ((0, 0), (0, 0), (0, tp - idx_BKTS.shape[2]), (0, 0)), constant_values=-1)
-    o_BKGTD, lse_BKGT = block_kernels.forward(q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, block=spec.block, backend=spec.backend, block_sizes=spec.block_sizes)
-    out = (jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4)).reshape(b, tp, h, d)[:, :t], jnp.transpose(lse_BKGT, (0, 3, 1, 2)).reshape(b, tp, h)[:, :t])
-    return out, (q_BTHD, k_BTKD, v_BTKD, idx_BKTS, *out)
+    o_BKGTD, lse_BKGT = block_kernels.forward(q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, **spec.kwargs())
+    out_BTHD = _queries_from_kernel(o_BKGTD, t)
+    lse_BTH = _queries_from_kernel(lse_BKGT[..., None], t)[..., 0]
+    return (out_BTHD, lse_BTH), (q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, out_BTHD, lse_BKGT)
 
 
 def _attention_bwd(spec: _Spec, residuals, cotangents):
-    q_BTHD, k_BTKD, v_BTKD, idx_BKTS, out_BTHD, lse_BTH = residuals
-    b, t, h, d = q_BTHD.shape
-    kh, t_blocks = k_BTKD.shape[2], idx_BKTS.shape[2]
-    g = h // kh
+    q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, out_BTHD, lse_BKGT = residuals
     do_BTHD, dlse_BTH = cotangents
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, t_blocks - t)) + ((0, 0),) * (x.ndim - 2))
-    q, k, v = (pad(x) for x in (q_BTHD, k_BTKD, v_BTKD))
-    o_BTKGD, do_BTKGD = (pad(x.astype(jnp.float32)).reshape(b, t_blocks, kh, g, d) for x in (out_BTHD, do_BTHD))
-    lse_BTKG, dlse_BTKG = (pad(x).reshape(b, t_blocks, kh, g) for x in (lse_BTH, dlse_BTH))
-    layout = block_grouped.pair_layout(idx_BKTS, t_blocks // spec.block)
-    residuals = (group_queries(q, kh), k, v, layout, o_BTKGD, lse_BTKG)
-    dq, dk, dv, _ = block_grouped.backward(spec.block, block_grouped.TILE, block_grouped.CHUNK, residuals, (do_BTKGD, dlse_BTKG))
-    dq = (dq.astype(jnp.float32) * (1.0 / math.sqrt(d))).reshape(b, t_blocks, h, d)[:, :t]
-    return dq.astype(q_BTHD.dtype), dk[:, :t], dv[:, :t], None
+    t, kh, tp = spec.seq_len, k_BKTD.shape[1], spec.padded_len
+    # d lse / d s = p, so an lse cotangent enters exactly like -delta (FlashAttention's D term)
+    delta_BTH = jnp.sum(do_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1) - dlse_BTH
+    args = (q_BKGTD, k_BKTD, v_BKTD, _queries_to_kernel(do_BTHD, kh, tp), lse_BKGT, _rows_to_kernel(delta_BTH, kh, tp), blocks_BKTS)
+    dq_BKGTD = block_kernels.dq(*args, **spec.kwargs())
+    dk_BKTD, dv_BKTD = block_bwd.dkdv(*args, num_blocks=spec.num_blocks, **spec.kwargs())
+    dk_BTKD, dv_BTKD = (_keys_from_kernel(x, t).astype(k_BKTD.dtype) for x in (dk_BKTD, dv_BKTD))
+    return _queries_from_kernel(dq_BKGTD, t), dk_BTKD, dv_BTKD, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check_shapes(spec: _Spec, group: int, head_dim: int) -> None:
+    """What the compilers take: Triton loads only power-of-two shapes ([G, D] query rows, [J, D]
+    key blocks); on TPU the dk/dv kernel's [J, D] key block needs J a multiple of 8 (sublanes)."""
+    if spec.backend == "triton":
+        for name, x in (("block_size", spec.block), ("query heads per KV head", group), ("head_dim", head_dim)):
+            if x & (x - 1):
+                raise ValueError(f"the Triton block-sparse kernels need {name} a power of two, got {x}")
+    if spec.backend == "mosaic_tpu" and spec.block % 8:
+        raise ValueError(f"the TPU block-sparse kernels need block_size a multiple of 8, got {spec.block}")
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "block_rank", "return_lse", "block_sizes", "backend"))
@@ -87,11 +118,12 @@ def block_sparse_attention_pallas(
     block_sizes: be.BlockSizes | None = None,
     backend: str | None = None,
 ):
-    """:func:`fibjax.attention.block_sparse_attention` (no argument checks) with the Pallas
-    forward kernel; ``block_sizes.block_q`` query rows per program."""
+    """:func:`fibjax.attention.block_sparse_attention` (no argument checks) on the Pallas kernels;
+    ``block_sizes.block_q`` query rows per forward / dq program, ``block_k`` pairs per dk/dv one."""
     t = q.shape[1]
+    spec = _Spec(block_size, t, (block_sizes or be.BlockSizes()).fit(t), be.resolve(backend))
+    _check_shapes(spec, q.shape[2] // k.shape[2], q.shape[3])
     top = num_earlier_blocks(t, block_size, num_blocks)
     idx_BKTS = _chosen_blocks(q, k, None, block=block_size, top=top, rule=block_rank, chunk=256)
-    spec = _Spec(block_size, t, (block_sizes or be.BlockSizes()).fit(t), be.resolve(backend))
     out, lse = _attention(spec, q, k, v, jax.lax.stop_gradient(idx_BKTS))
     return (out, lse) if return_lse else out
