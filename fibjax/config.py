@@ -18,9 +18,10 @@ from pathlib import Path
 
 from fibjax.attention import alpha as alpha_lib
 from fibjax.attention import offsets
+from fibjax.errors import FibjaxError
 
 
-class ConfigError(ValueError):
+class ConfigError(FibjaxError, ValueError):
     """A config value or key is invalid; the message names the field."""
 
 

@@ -25,6 +25,7 @@ import typing
 from pathlib import Path
 
 from fibjax import config as config_module
+from fibjax.errors import FibjaxError
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 
@@ -47,7 +48,7 @@ of them (print a resolved config with
 """
 
 
-class UndocumentedField(ValueError):
+class UndocumentedField(FibjaxError, ValueError):
     """A config field has no comment to take its meaning from."""
 
 

@@ -37,12 +37,14 @@ from typing import TypeVar
 import jax
 import numpy as np
 
+from fibjax.errors import FibjaxError
+
 T = TypeVar("T")
 _MESSAGE_BYTES = 4096
 _JAX_GRACE_S = 30  # JAX's own connect deadline is later than ours, so ours reports the failure
 
 
-class DistributedError(RuntimeError):
+class DistributedError(FibjaxError, RuntimeError):
     """The processes could not start together, or another process failed; the message says which."""
 
 

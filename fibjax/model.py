@@ -4,7 +4,7 @@ Attention per layer comes from :class:`fibjax.config.AttentionConfig`. The model
 length-dependent parameters: static offsets and pow2 rungs are derived from the length a
 call runs at, so the same weights run at 1x, 2x or 4x the training length.
 
-Parameters carry logical axis names (metadata ``logical_axes``); ``fibjax.train.sharding``
+Parameters carry logical axis names (metadata ``logical_axes``); ``fibjax.sharding``
 maps them to mesh axes. Letters: B batch, T sequence, D d_model, H/K query/KV heads,
 E head dim, F MLP hidden, V vocab.
 """

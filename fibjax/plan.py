@@ -2,7 +2,7 @@
 the step's working memory, for a config on a mesh.
 
 Parameters and optimizer state come from shapes and shardings (exact: the logical-axis rules of
-``fibjax.train.sharding`` applied to every leaf). The working memory (activations kept for the
+``fibjax.sharding`` applied to every leaf). The working memory (activations kept for the
 backward, temporaries) comes from XLA's memory analysis of the train step compiled here for
 that many simulated CPU devices: the same partitioning as on the fleet, but the CPU compiler's
 fusion and scheduling, so read it as an estimate of a GPU/TPU program's figure, not a bound.

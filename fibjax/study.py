@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
+from fibjax.errors import FibjaxError
 from fibjax.eval.paired import Comparison
 
 # Tokens per second assumed for a run when the study has measured none: dense_seed43 trained at
@@ -246,11 +247,11 @@ def _hm(seconds: float) -> str:
 # Running
 
 
-class StudyError(RuntimeError):
+class StudyError(FibjaxError, RuntimeError):
     pass
 
 
-class StudyStopped(RuntimeError):
+class StudyStopped(FibjaxError, RuntimeError):
     """A child was stopped by a signal (the study stops too; run it again to resume)."""
 
 

@@ -76,10 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from fibjax import distributed
     from fibjax.config import ConfigError
-    from fibjax.data import DataError
+    from fibjax.errors import FibjaxError
     from fibjax.eval import runner
-    from fibjax.eval.perplexity import EvalError
-    from fibjax.train.checkpoint import CheckpointError, load_run_config
+    from fibjax.run.workdir import load_run_config
 
     try:
         distributed.initialize()
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(runner.format_table(e.report))
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, DataError, EvalError, CheckpointError, distributed.DistributedError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if distributed.is_main():  # one table per job, not per process

@@ -6,12 +6,20 @@ and ``--batch_size auto`` implied. Needs the harness extra: ``pip install -e ".[
 
 from __future__ import annotations
 
+import sys
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None) -> int:
+    from fibjax.errors import FibjaxError
     from fibjax.eval.harness import main as harness_main
 
-    harness_main(argv)
+    try:
+        harness_main(argv)
+    except FibjaxError as e:  # the run cannot be loaded (no such run or step, its data changed)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

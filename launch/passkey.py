@@ -34,18 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     processes.apply(parser, args)  # before anything initialises JAX
 
     from fibjax import distributed
-    from fibjax.config import ConfigError, apply_overrides
-    from fibjax.data import DataError, TokenizerError
+    from fibjax.config import apply_overrides
+    from fibjax.errors import FibjaxError
     from fibjax.eval import passkey, runner
-    from fibjax.eval.perplexity import EvalError
-    from fibjax.train.checkpoint import CheckpointError
+    from fibjax.run import load as run_load
 
     try:
         distributed.initialize()
-        run = runner.load_run(args.workdir, args.step)
-        tokenizer = runner.run_tokenizer(run)
+        run = run_load.load_run(args.workdir, args.step)
+        tokenizer = run_load.run_tokenizer(run)
         if args.attention:
-            params, model_cfg = runner.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
+            params, model_cfg = run_load.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
         else:
             params, model_cfg = run.params, run.cfg.model
         # a learned run's alphas compiled as constants (the static path's cost), as launch.eval does
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         result = passkey.passkey_grid(
             model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size, mesh=runner.eval_mesh(run.cfg)
         )
-    except (ConfigError, DataError, TokenizerError, EvalError, CheckpointError, distributed.DistributedError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tag = "-".join(a.replace("=", "_") for a in args.attention)

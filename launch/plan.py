@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_with_overrides(parser, argv)
 
     from fibjax.config import ConfigError, apply_overrides, load_config_file  # no JAX yet
+    from fibjax.errors import FibjaxError
 
     try:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"mesh: {sizes} has an axis of -1: pass --devices N (the job's device count) or mesh.devices=N, or fix every axis")
         if devices < 1:
             raise ConfigError(f"--devices must be >= 1, got {devices}")
-    except ConfigError as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # simulated devices: set before JAX starts (this process plans, it never trains)
@@ -44,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from fibjax import sharding
     from fibjax.plan import format_plan, make_plan
-    from fibjax.train import sharding
 
     if len(jax.devices()) != devices:
         print(f"error: JAX already started with {len(jax.devices())} devices; run launch.plan in its own process", file=sys.stderr)
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         plan = make_plan(cfg, mesh, compile=not args.no_compile)
-    except ConfigError as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_plan(cfg, plan))

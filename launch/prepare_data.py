@@ -43,8 +43,9 @@ def _named(pairs: list[str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fibjax.data import DataError, TokenizerError, prepare
+    from fibjax.data import prepare
     from fibjax.data.prepare import DEFAULT_TOKENIZER_CHARS, DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
+    from fibjax.errors import FibjaxError
 
     parser = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
         )
-    except (DataError, TokenizerError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.out}: vocab {meta['tokenizer']['vocab_size']} ({meta['dtype']}), tokenizer sha256 {meta['tokenizer']['sha256'][:12]}")

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="write the report's tables, not its PNGs")
     args = parser.parse_args(argv)
 
+    from fibjax.errors import FibjaxError
     from fibjax.probe import report
     from fibjax.probe.cell import run_cell
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.report_only:
                 grid.run_grid(opts, out)
         tables, written, _ = report.build_report(out, make_plots=not args.no_plots)
-    except (ValueError, FileNotFoundError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for t in tables:

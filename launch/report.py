@@ -22,11 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     args = parser.parse_args(argv)
 
-    from fibjax.eval.report import ReportError, build_report
+    from fibjax.errors import FibjaxError
+    from fibjax.eval.report import build_report
 
     try:
         report = build_report(args.runs, args.out, reference=args.reference, step=args.step, dataset=args.dataset, plots=not args.no_plots)
-    except ReportError as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for message in report.skipped:

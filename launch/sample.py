@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fibjax.decode import Decoder, Sampler, TextStreamer
     from fibjax.decode import run as run_lib
-    from fibjax.train.checkpoint import CheckpointError
+    from fibjax.errors import FibjaxError
 
     try:
         text = args.prompt if args.prompt is not None else _read(args.prompt_file)
@@ -55,15 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides = None
         if args.inference_mode or args.num_blocks or args.block_size:
             from fibjax.eval.runner import inference_overrides
-            from fibjax.train.checkpoint import load_run_config
+            from fibjax.run.workdir import load_run_config
 
             overrides = inference_overrides(load_run_config(args.workdir), args.inference_mode, num_blocks=args.num_blocks, block_size=args.block_size)
         run = run_lib.load(args.workdir, args.step, overrides)
         limit = run_lib.context_limit(run.cfg, args.max_context)
         ids = run_lib.encode_prompt(run.tokenizer, text, args.max_new_tokens, limit)
         decoder = Decoder(run.model, max_len=len(ids) + args.max_new_tokens)
-    # ValueError: every input error here (SampleError, ConfigError, DataError, EvalError, a bad sampler setting)
-    except (ValueError, CheckpointError, NotImplementedError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

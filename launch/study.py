@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fibjax.config import ConfigError
-    from fibjax.study import StudyError, StudyStopped, format_status, load_study, read_record, restore_recorded, run_one, run_status, write_results
+    from fibjax.errors import FibjaxError
+    from fibjax.study import StudyStopped, format_status, load_study, read_record, restore_recorded, run_one, run_status, write_results
 
     try:
         study = load_study(args.study)
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except StudyStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    except (ConfigError, StudyError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -49,20 +49,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from fibjax.config import ConfigError, apply_overrides, load_config_file
-    from fibjax.data import DataError
+    from fibjax.config import apply_overrides, load_config_file
     from fibjax.data.token_files import free_space
-    from fibjax.distributed import DistributedError
-    from fibjax.train.checkpoint import CheckpointError
-    from fibjax.train.lock import WorkdirInUse
-    from fibjax.train.loop import NonFiniteLoss, train
-    from fibjax.train.metrics import MetricsError
+    from fibjax.errors import FibjaxError
+    from fibjax.train.loop import train
 
     try:
         cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
-    except (ConfigError, CheckpointError, NonFiniteLoss, DataError, DistributedError, MetricsError, WorkdirInUse, FileNotFoundError) as e:
+    except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full or read-only disk under the metrics, the events or the config
@@ -89,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     # process 0 alone writes the report and prints the table.
     if cfg.eval.at_end and not result.preempted:
         from fibjax.eval import runner
-        from fibjax.eval.perplexity import EvalError
 
         try:
             report, path = runner.evaluate_workdir(workdir)
@@ -97,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             print(runner.format_table(e.report))
             print(f"error: {e}", file=sys.stderr)
             return 2
-        except (EvalError, DataError, CheckpointError) as e:  # training succeeded; say why its evaluation could not run
+        except FibjaxError as e:  # training succeeded; say why its evaluation could not run
             print(f"error: the end-of-run evaluation failed: {e} The run itself is complete in {workdir}.", file=sys.stderr)
             return 2
         say(runner.format_table(report))

@@ -14,11 +14,11 @@ from tests.test_train_loop import data_dir, train_main  # noqa: F401 (data_dir i
 def direct_nll(workdir, tokens_NT1) -> float:
     from flax import nnx
 
-    from fibjax.eval import runner
     from fibjax.model import Transformer
+    from fibjax.run import load as run_load
     from fibjax.train.step import cross_entropy
 
-    run = runner.load_run(workdir)
+    run = run_load.load_run(workdir)
     model = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Transformer(run.cfg.model, rngs=nnx.Rngs(0)))), run.params)
     return float(cross_entropy(model(tokens_NT1[:, :-1]), tokens_NT1[:, 1:]))
 

@@ -12,7 +12,8 @@ from fibjax import data as data_lib
 from fibjax.config import TrainConfig, apply_overrides
 from fibjax.eval import runner
 from fibjax.eval.perplexity import EvalError, scored_tokens, windows
-from fibjax.train.checkpoint import CheckpointError
+from fibjax.run import load as run_load
+from fibjax.run.workdir import CheckpointError
 from fibjax.train.loop import train
 from fibjax.train.step import cross_entropy
 from tests.test_train_loop import TINY
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
 
 
 def test_nll_at_training_length_equals_training_loss_on_the_same_tokens(runs):
-    run = runner.load_run(runs["fib"])
+    run = run_load.load_run(runs["fib"])
     stream = data_lib.validation_tokens(run.data_dir, "python_docs")
     report = runner.evaluate_run(run, lengths=[32, 64, 128], datasets={"v": stream}, max_tokens=1024)
     first = report["datasets"]["v"][0]
@@ -54,7 +55,7 @@ def test_nll_at_training_length_equals_training_loss_on_the_same_tokens(runs):
 
 
 def test_dense_weights_under_a_window_covering_everything_give_the_same_perplexity(runs):
-    run = runner.load_run(runs["dense"])
+    run = run_load.load_run(runs["dense"])
     streams = runner.dataset_streams(run, None)
     dense = runner.evaluate_run(run, lengths=[32, 128], datasets=streams, max_tokens=512)
     from fibjax.config import AttentionConfig
@@ -89,9 +90,9 @@ def test_a_learned_run_evaluates_frozen_with_the_numbers_of_its_traced_alphas(ru
     from fibjax.config import AttentionConfig
     from fibjax.eval.perplexity import evaluate_lengths
 
-    run = runner.load_run(runs["fib"])
+    run = run_load.load_run(runs["fib"])
     learned = AttentionConfig(kind="offset", window=3, alpha="staggered", learn_alpha=True)
-    params, cfg = runner.with_attention(run, learned)
+    params, cfg = run_load.with_attention(run, learned)
     stream = runner.dataset_streams(run, None)["python_docs"]
     traced = evaluate_lengths(cfg, params, stream, [32, 64], max_tokens=1024, rows_tokens=128)
     frozen_params, frozen_cfg = runner.frozen_alphas(params, cfg)
@@ -108,9 +109,9 @@ def test_an_eight_device_mesh_gives_the_nll_of_one_device(runs):
     """Evaluation data-parallel over windows on 8 simulated devices (4 data x 2 fsdp) = 1 device."""
     from fibjax.config import MeshConfig
     from fibjax.eval.perplexity import evaluate_lengths
-    from fibjax.train.sharding import make_mesh
+    from fibjax.sharding import make_mesh
 
-    run = runner.load_run(runs["fib"])
+    run = run_load.load_run(runs["fib"])
     stream = runner.dataset_streams(run, None)["python_docs"]
     one = evaluate_lengths(run.cfg.model, run.params, stream, [32, 64], max_tokens=1024, rows_tokens=96)
     mesh = make_mesh(MeshConfig(data=4, fsdp=2, tensor=1), jax.devices()[:8])
@@ -124,8 +125,8 @@ def test_an_eight_device_mesh_gives_the_nll_of_one_device(runs):
     from fibjax.eval.error_law import error_law
     from fibjax.eval.perplexity import dropped_mass_by_layer
 
-    dense = runner.load_run(runs["dense"])
-    params, model_cfg = runner.with_attention(dense, AttentionConfig(kind="block_sparse", block_size=8, num_blocks=2))
+    dense = run_load.load_run(runs["dense"])
+    params, model_cfg = run_load.with_attention(dense, AttentionConfig(kind="block_sparse", block_size=8, num_blocks=2))
     common = (model_cfg, params, stream, 64)
     kw = dict(max_tokens=1024, rows_tokens=96)
     np.testing.assert_allclose(dropped_mass_by_layer(*common, **kw, mesh=mesh), dropped_mass_by_layer(*common, **kw), rtol=1e-5, atol=1e-7)
@@ -156,9 +157,9 @@ def test_report_is_written_with_alphas(runs):
 
 
 def test_errors(runs, tmp_path):
-    with pytest.raises(EvalError, match="no checkpoint for step 7"):
-        runner.load_run(runs["fib"], 7)
-    run = runner.load_run(runs["fib"])
+    with pytest.raises(CheckpointError, match="no checkpoint for step 7"):  # a run-directory error (EvalError before fibjax.run)
+        run_load.load_run(runs["fib"], 7)
+    run = run_load.load_run(runs["fib"])
     with pytest.raises(EvalError, match="too short"):
         runner.evaluate_run(run, lengths=[32, 4096], datasets={"v": np.zeros(1000, np.int32)}, max_tokens=10**6)
     other = tmp_path / "other_tok"
@@ -172,7 +173,7 @@ def test_errors(runs, tmp_path):
     cfg["model"]["d_model"] = 64
     (clone / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="could not be read"):
-        runner.load_run(clone)
+        run_load.load_run(clone)
     assert jax.devices()  # the failed restore leaves JAX usable
 
 

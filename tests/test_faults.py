@@ -24,8 +24,11 @@ from fibjax.data import DataError
 from fibjax.data.token_files import open_tokens
 from fibjax.eval import runner
 from fibjax.eval.perplexity import EvalError
+from fibjax.run import load as run_load
+from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+from fibjax.run.integrity import SUMS_FILE
+from fibjax.run.workdir import CheckpointError
 from fibjax.train import metrics as metrics_lib
-from fibjax.train.checkpoint import SUMS_FILE, Checkpointer, CheckpointError, DamagedCheckpoint
 from fibjax.train.loop import train
 from fibjax.train.metrics import MetricsError, MetricsWriter, read_metrics
 from tests.test_train_loop import ROOT, TINY, data_dir, train_cmd, train_main  # noqa: F401  (data_dir: the shared data fixture)
@@ -224,7 +227,7 @@ def test_a_checkpoint_saved_with_earlier_parameter_names_restores(tmp_path):
     included), and resumes save under the new name."""
     import optax
 
-    from fibjax.train.checkpoint import rename_keys, saved_renames
+    from fibjax.run.checkpoints import rename_keys, saved_renames
 
     params = {"blocks": {"0": {"attn": {"alpha_logit": jnp.float32(0.3), "q_proj": {"kernel": jnp.arange(4.0).reshape(2, 2)}}}}}
     opt_state = optax.adam(1e-3).init(params)
@@ -276,7 +279,7 @@ def test_an_evaluation_table_names_the_run_directory(finished_run):
 
 
 def test_a_non_finite_nll_is_an_error_naming_run_step_and_dataset(finished_run):
-    run = runner.load_run(finished_run)
+    run = run_load.load_run(finished_run)
     run.params = {**run.params, "final_norm": {"scale": run.params["final_norm"]["scale"] * jnp.inf}}
     with pytest.raises(EvalError, match=rf"{finished_run} step 2: the NLL on python_docs at length 32 is (nan|inf)"):
         runner.evaluate_run(run, lengths=[32], datasets=runner.dataset_streams(run, None), max_tokens=512)
@@ -412,13 +415,13 @@ def test_a_paper_config_without_its_data_names_the_command_that_prepares_it(tmp_
 KILL_AT_CHECKSUMS = """
 import os, signal, sys
 from pathlib import Path
-import fibjax.train.checkpoint as checkpoint
-record = checkpoint.record_checksums
+import fibjax.run.integrity as integrity
+record = integrity.record_checksums
 def killed(step_dir):
     if Path(step_dir).name.split(".")[0] == "4":
         os.kill(os.getpid(), signal.SIGKILL)
     record(step_dir)
-checkpoint.record_checksums = killed
+integrity.record_checksums = killed
 from launch.train import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -495,7 +498,7 @@ def test_a_failed_resume_changes_nothing_on_disk(tmp_path, data_dir, capsys):  #
 def test_a_save_failing_for_another_reason_than_a_full_disk_names_it_without_the_space_hint(tmp_path, monkeypatch):
     """ "Free some space" only for a full disk: a save that fails otherwise (here the step's
     checksums cannot be written: permission denied) says what failed and nothing about space."""
-    import fibjax.train.checkpoint as checkpoint
+    import fibjax.run.integrity as integrity
 
     def denied(step_dir):
         raise PermissionError(errno.EACCES, "Permission denied", str(step_dir))
@@ -503,7 +506,7 @@ def test_a_save_failing_for_another_reason_than_a_full_disk_names_it_without_the
     ckpt = Checkpointer(tmp_path, CheckpointConfig())
     state = {"w": jnp.ones(3)}
     ckpt.save(1, state, wait=True)
-    monkeypatch.setattr(checkpoint, "record_checksums", denied)
+    monkeypatch.setattr(integrity, "record_checksums", denied)
     with pytest.raises(CheckpointError) as caught:
         ckpt.save(2, state, wait=True)
     message = str(caught.value)

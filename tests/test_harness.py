@@ -254,3 +254,13 @@ def test_command_line(run_dir, local_tasks, api_result, tmp_path):
     assert "fibjax_cloze" in proc.stdout and "acc" in proc.stdout, proc.stdout
     [written] = (tmp_path / "out").rglob("results_*.json")
     assert json.loads(written.read_text())["results"]["fibjax_cloze"]["acc,none"] == api_result["results"]["fibjax_cloze"]["acc,none"]
+
+
+@slow  # 18 s: lm-eval indexes its tasks before it builds the model
+def test_launch_harness_names_a_run_it_cannot_load_in_one_error_line(tmp_path, capsys):
+    """A FibjaxError from loading the run is one ``error:`` line and exit 2, not a traceback."""
+    from launch.harness import main
+
+    rc = main(["--model_args", f"workdir={tmp_path / 'nowhere'}", "--tasks", "lambada_openai", "--limit", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: {tmp_path / 'nowhere'} holds no fibjax run (config.json missing)" in err and "Traceback" not in err, err

@@ -10,9 +10,11 @@ import jax
 import numpy as np
 import pytest
 
+from fibjax import sharding
 from fibjax.config import ConfigError, apply_overrides, load_config_file
-from fibjax.train import init_from, sharding
-from fibjax.train.checkpoint import Checkpointer, CheckpointError
+from fibjax.run.checkpoints import Checkpointer
+from fibjax.run.workdir import CheckpointError
+from fibjax.train import init_from
 from fibjax.train.metrics import read_metrics
 from fibjax.train.step import build
 from tests.test_faults import assert_one_error, train_main

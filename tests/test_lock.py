@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from fibjax.train.lock import LOCK_FILE, WorkdirInUse, WorkdirLock
+from fibjax.run.lock import LOCK_FILE, WorkdirInUse, WorkdirLock
 from tests.test_faults import assert_one_error
 from tests.test_train_loop import ROOT, data_dir, train_cmd, train_main  # noqa: F401  (data_dir: the shared data fixture)
 from tests.tiers import slow
 
-HOLD = "import sys, time; from fibjax.train.lock import WorkdirLock; WorkdirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
+HOLD = "import sys, time; from fibjax.run.lock import WorkdirLock; WorkdirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
 
 
 def holder(workdir) -> subprocess.Popen:

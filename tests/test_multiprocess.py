@@ -243,6 +243,7 @@ def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
     from fibjax.eval import passkey, runner
     from fibjax.eval.error_law import error_law
     from fibjax.eval.perplexity import dropped_mass_by_layer, evaluate_lengths
+    from fibjax.run import load as run_load
 
     work = tmp_path / "run"
     lengths, tokens = [32, 64], 1024
@@ -257,7 +258,7 @@ def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
     run_args = [*TINY, "steps=3", "eval.at_end=true", f"eval.max_tokens={tokens}", "eval.length_multipliers=(1,2)", f"data.path={data_dir}", "mesh.devices=0"]
     trained = job("launch.train", "--no-progress", *run_args)
     evaluated = job("launch.eval", "--lengths", "32,64", "--max-tokens", str(tokens), "--dropped-mass", "--tag", "mp")
-    run = runner.load_run(work)
+    run = run_load.load_run(work)
     stream = runner.dataset_streams(run, None)["python_docs"]
     one = evaluate_lengths(run.cfg.model, run.params, stream, lengths, max_tokens=tokens, rows_tokens=run.cfg.eval.batch_size * run.cfg.seq_len)
     for out, name in ((trained, "3.json"), (evaluated, "3-mp.json")):
@@ -280,7 +281,7 @@ def test_two_processes_evaluate_as_one_device(tmp_path, data_dir):
     job("launch.passkey", "--lengths", "100", "--depths", "0,1", "--trials", "3", "--seed", "1", "--out", str(tmp_path / "pk"))
     saved = json.loads((tmp_path / "pk" / "passkey.json").read_text())
     assert saved["devices"] == 4
-    alone = passkey.passkey_grid(run.cfg.model, run.params, runner.run_tokenizer(run), **grid)
+    alone = passkey.passkey_grid(run.cfg.model, run.params, run_load.run_tokenizer(run), **grid)
     assert [c["answers"] for c in saved["cells"]] == [c["answers"] for c in alone["cells"]]
 
 

@@ -265,8 +265,9 @@ def test_short_cpu_runs_learn(method, embedded, tmp_path):
 def test_paper_shape_initialises_abstractly_and_lowers(platform):
     import dataclasses
 
+    from fibjax import sharding
     from fibjax.config import MeshConfig
-    from fibjax.train import sharding, step
+    from fibjax.train import step
 
     cfg = dataclasses.replace(load_config_file("configs/ssa/paper_nsa.py"), mesh=MeshConfig(data=-1), global_batch=1)
     mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])

@@ -130,7 +130,7 @@ def test_an_eight_device_mesh_gives_the_answers_of_one_device(tok):
     import jax
 
     from fibjax.config import MeshConfig
-    from fibjax.train.sharding import make_mesh
+    from fibjax.sharding import make_mesh
 
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1)
     params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param))

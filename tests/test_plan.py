@@ -8,10 +8,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fibjax import sharding
 from fibjax.config import apply_overrides, load_config_file
 from fibjax.model import Transformer
 from fibjax.plan import make_plan
-from fibjax.train import sharding
 from tests.test_train_loop import ROOT, TINY
 
 

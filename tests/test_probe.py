@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fibjax import sharding
 from fibjax.attention import offsets
 from fibjax.config import AttentionConfig
 from fibjax.probe import geometry, grid, report, soft_width
 from fibjax.probe.cell import CellSpec, run_cell
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, bigram_starts, forced_choice_correct, marked_batch, marked_correct, retrieval_batch
-from fibjax.train import sharding, step
+from fibjax.train import step
 from launch import probe as probe_cli
 from tests.tiers import slow
 

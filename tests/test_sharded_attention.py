@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from fibjax.attention import attended_distances, interpolated_attention, offset_attention
 from fibjax.config import MeshConfig
-from fibjax.train.sharding import make_mesh
+from fibjax.sharding import make_mesh
 from tests import oracle
 from tests.tiers import slow
 

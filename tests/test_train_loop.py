@@ -147,8 +147,10 @@ def test_corrupt_data_and_tokenizer_mismatch_are_refused(tmp_path, data_dir, cap
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, data_dir, capsys):
     """lr 1e30 makes step 2's gradient NaN; with a save after every step, step 1's checkpoint
     must be on disk, intact and finite, and nothing after it."""
-    from fibjax.train import sharding, step
-    from fibjax.train.checkpoint import Checkpointer, load_run_config
+    from fibjax import sharding
+    from fibjax.run.checkpoints import Checkpointer
+    from fibjax.run.workdir import load_run_config
+    from fibjax.train import step
 
     rc, out = train_main(capsys, tmp_path / "nan", data_dir, "steps=10", "checkpoint.every_steps=1", "optim.lr=1e30", "optim.clip_norm=1e30")
     assert rc == 2 and "the run is stopped" in out, out
@@ -220,8 +222,8 @@ def test_data_prepared_again_under_the_same_path_is_refused(tmp_path):
 
     from fibjax.config import TrainConfig, apply_overrides
     from fibjax.data import DataError
-    from fibjax.eval import runner
-    from fibjax.train.checkpoint import CheckpointError
+    from fibjax.run import load as run_load
+    from fibjax.run.workdir import CheckpointError
     from fibjax.train.loop import train
 
     data = tmp_path / "data"
@@ -233,13 +235,13 @@ def test_data_prepared_again_under_the_same_path_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="trained with tokenizer"):
         train(apply_overrides(cfg, ["steps=4"]), tmp_path / "run", progress=False)
     with pytest.raises(DataError, match="tokenizer mismatch"):
-        runner.load_run(tmp_path / "run")
+        run_load.load_run(tmp_path / "run")
 
 
 def test_key_value_overrides_are_accepted_anywhere_among_the_flags(tmp_path, data_dir, capsys):
     """``--workdir W steps=3 --no-progress mesh.devices=1`` was refused: argparse took only the
     first run of positional words ("unrecognized arguments: mesh.devices=1")."""
-    from fibjax.train.checkpoint import load_run_config
+    from fibjax.run.workdir import load_run_config
     from launch.train import DEFAULT_CONFIG, main
 
     workdir = tmp_path / "run"

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from fibjax import sharding
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from fibjax.model import Transformer, alpha_mask
 from fibjax.recipes import MATRIX, attention, paper
-from fibjax.train import sharding, step
+from fibjax.train import step
 from fibjax.train.optimizer import decay_mask, lr_schedule
 from tests.tiers import first_fast
 
@@ -109,7 +110,7 @@ def test_recipes_cover_the_paper_matrix():
 
 
 EIGHT = MeshConfig(data=2, fsdp=2, tensor=2)
-# The logical rules (fibjax/train/sharding.py) as they should land: mesh axes per dimension of
+# The logical rules (fibjax/sharding.py) as they should land: mesh axes per dimension of
 # each parameter, by name (all dimensions of the shapes used here divide by 2).
 EXPECTED_AXES = {
     "embedding": ("tensor", "fsdp"),  # [vocab, embed]

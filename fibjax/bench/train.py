@@ -12,8 +12,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from fibjax import sharding
 from fibjax.config import apply_overrides, load_config_file
-from fibjax.train import sharding, step
+from fibjax.train import step
 
 
 def measure_config(path: str, overrides: list[str], steps: int) -> dict:

@@ -25,8 +25,10 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from fibjax.errors import FibjaxError
 
-class DataError(ValueError):
+
+class DataError(FibjaxError, ValueError):
     """Bad data inputs or prepared data; the message names the file or source."""
 
 

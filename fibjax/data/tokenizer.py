@@ -17,6 +17,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from fibjax.errors import FibjaxError
+
 # 256 byte-fallback pieces + <unk> + </s>; every other piece is a character or a merge.
 NUM_RESERVED_PIECES = 258
 # Lines longer than this are cut into pieces for training (SentencePiece skips, silently,
@@ -24,7 +26,7 @@ NUM_RESERVED_PIECES = 258
 _MAX_TRAIN_LINE_BYTES = 8192
 
 
-class TokenizerError(ValueError):
+class TokenizerError(FibjaxError, ValueError):
     """The tokenizer cannot be trained or loaded; the message says why."""
 
 

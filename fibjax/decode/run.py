@@ -19,13 +19,13 @@ from pathlib import Path
 from flax import nnx
 
 from fibjax import kinds
-from fibjax.config import TrainConfig
+from fibjax.config import TrainConfig, apply_overrides
 from fibjax.data.token_files import TOKENIZER_FILE
 from fibjax.data.tokenizer import Tokenizer
-
-
-class SampleError(ValueError):
-    """The run cannot be sampled as asked; the message says why and what to do."""
+from fibjax.decode.sampling import SampleError
+from fibjax.model import graphdef_of
+from fibjax.run.load import load_run, run_tokenizer, with_attention
+from fibjax.run.workdir import data_dir_of, load_run_config
 
 
 @dataclass
@@ -36,24 +36,15 @@ class SamplingRun:
     tokenizer: Tokenizer
 
 
-def tokenizer_path(cfg: TrainConfig, workdir: Path) -> Path:
-    return (Path(cfg.data.path) if cfg.data.path else Path(workdir) / "data") / TOKENIZER_FILE
-
-
 def load(workdir: str | Path, step: int | None = None, attention_overrides: list[str] | None = None) -> SamplingRun:
     """The run's model at ``step`` (default: the latest checkpoint) and its tokenizer; with
     ``attention_overrides`` (key=value, e.g. from ``--inference-mode sparse``) its weights under
     that attention."""
-    from fibjax.config import apply_overrides
-    from fibjax.eval.runner import load_run, run_tokenizer, with_attention
-    from fibjax.model import graphdef_of
-    from fibjax.train.checkpoint import load_run_config
-
     workdir = Path(workdir)
     if not workdir.is_dir():
         raise SampleError(f"run directory {str(workdir)!r} does not exist")
     cfg = load_run_config(workdir)
-    path = tokenizer_path(cfg, workdir)
+    path = data_dir_of(cfg, workdir) / TOKENIZER_FILE
     if not path.is_file():
         raise SampleError(
             f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "

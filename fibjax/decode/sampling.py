@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from fibjax.errors import FibjaxError
+
 Array = jax.Array
+
+
+class SampleError(FibjaxError, ValueError):
+    """The run cannot be sampled as asked; the message says why and what to do."""
 
 
 def top_k_mask(logits_BV: Array, k: int) -> Array:
@@ -43,13 +49,13 @@ class Sampler:
 
     def __post_init__(self):
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise SampleError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise SampleError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
+            raise SampleError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
         if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+            raise SampleError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
     @property
     def greedy(self) -> bool:

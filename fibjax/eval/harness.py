@@ -48,8 +48,8 @@ except ModuleNotFoundError as e:
 from fibjax import kinds
 from fibjax.decode import GREEDY, Decoder, TextStreamer
 from fibjax.eval import batching
-from fibjax.eval.runner import load_run, run_tokenizer
 from fibjax.model import graphdef_of
+from fibjax.run.load import load_run, run_tokenizer
 
 MIN_BUCKET = 16  # shortest padded row: fewer, larger buckets below it would only add compiles
 

@@ -16,12 +16,13 @@ import numpy as np
 from flax import nnx
 
 from fibjax.config import ModelConfig
+from fibjax.errors import FibjaxError
 from fibjax.eval import batching
 
 NUM_BINS = 8
 
 
-class EvalError(ValueError):
+class EvalError(FibjaxError, ValueError):
     pass
 
 

@@ -24,13 +24,14 @@ from pathlib import Path
 
 from fibjax import kinds
 from fibjax.attention import alpha as alpha_lib
+from fibjax.errors import FibjaxError
 
 _EVAL_NAME = re.compile(r"^(\d+)(?:-(.+))?\.json$")
 _REQUIRED = ("run", "step", "train_seq_len", "lengths", "attention", "alphas", "datasets")
 _ROW_KEYS = ("length", "tokens", "nll", "ppl", "bin_nll")
 
 
-class ReportError(ValueError):
+class ReportError(FibjaxError, ValueError):
     pass
 
 

@@ -1,9 +1,9 @@
 """From a run directory to ``RUN/eval/<step>.json``: load, pick datasets, evaluate, print.
 
-A run directory holds ``config.json`` (the resolved TrainConfig) and ``checkpoints/``; its
-tokenizer is the one in the run's data directory. Evaluation data must have been tokenized
-with that tokenizer (checked by hash). A non-finite NLL is an error, never a result: nothing is
-written, and a report file is replaced atomically, so a good one is never lost to a bad one.
+The run is loaded by ``fibjax.run.load`` (its config, a checkpoint's parameters, its data
+directory and tokenizer). Evaluation data must have been tokenized with the run's tokenizer
+(checked by hash). A non-finite NLL is an error, never a result: nothing is written, and a
+report file is replaced atomically, so a good one is never lost to a bad one.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -21,25 +20,17 @@ import numpy as np
 
 from fibjax import data as data_lib
 from fibjax import distributed, kinds
+from fibjax._moved import forward_to
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
-from fibjax.data.token_files import TOKENIZER_FILE, open_tokens
-from fibjax.data.tokenizer import Tokenizer
+from fibjax.data.token_files import open_tokens
 from fibjax.eval import batching
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
-from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, load_run_config, pinned_tokenizer
-from fibjax.train.loop import resolve_data_dir
+from fibjax.run import load as run_load
 
-
-@dataclass
-class LoadedRun:
-    cfg: TrainConfig
-    step: int
-    params: dict
-    data_dir: Path
-    tokenizer_sha256: str
-    workdir: Path
+# loading a run moved to fibjax.run.load; the old names still work here, with a DeprecationWarning
+__getattr__ = forward_to(__name__, "fibjax.run.load", names=frozenset({"LoadedRun", "abstract_params", "load_run", "run_tokenizer", "with_attention"}))
 
 
 class ReportNotWritten(EvalError):
@@ -51,66 +42,7 @@ class ReportNotWritten(EvalError):
         self.report = report
 
 
-def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
-    """The run's config and the parameters of ``step_number`` (default: the latest checkpoint)."""
-    workdir = Path(workdir)
-    cfg = load_run_config(workdir)
-    ckpt = Checkpointer(workdir, cfg.checkpoint)
-    try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise EvalError(f"{workdir} has no checkpoint yet")
-        chosen = steps[-1] if step_number is None else step_number
-        if chosen not in steps:
-            raise EvalError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
-        try:
-            # on this process's first device: a pod's processes each restore a copy, and the
-            # evaluation replicates it over the mesh (eval_mesh)
-            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
-        except DamagedCheckpoint as e:
-            earlier = ckpt.latest_intact_step(before=e.step)
-            raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
-    finally:
-        ckpt.close()
-    data_dir = resolve_data_dir(cfg, workdir)
-    # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
-    sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
-    return LoadedRun(cfg, chosen, params, data_dir, sha, workdir)
-
-
-def abstract_params(model_cfg, device) -> dict:
-    """ShapeDtypeStructs of the model's parameters, placed on ``device`` (nothing allocated)."""
-    from flax import nnx
-
-    from fibjax.model import Transformer
-
-    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param))
-    place = jax.sharding.SingleDeviceSharding(device)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), shapes)
-
-
-def run_tokenizer(run: LoadedRun) -> Tokenizer:
-    """The tokenizer the run trained with (``load_run`` checked it against the run's record)."""
-    return Tokenizer.load(run.data_dir / TOKENIZER_FILE)
-
-
-def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
-    """(params, model config) for evaluating the run's weights under another attention.
-
-    Weights carry over unchanged; a learned layer's alpha_logit is dropped when the override has
-    none, and created from the override's schedule when the override learns alpha."""
-    model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
-    blocks = {}
-    for i, block in run.params["blocks"].items():
-        attn = {k: v for k, v in block["attn"].items() if k != alpha_lib.PARAM}
-        if attention.is_learned:
-            start = alpha_lib.alpha_to_logit(attention.layer_alphas(model_cfg.num_layers)[i])
-            attn[alpha_lib.PARAM] = block["attn"].get(alpha_lib.PARAM, np.float32(start))
-        blocks[i] = {**block, "attn": attn}
-    return {**run.params, "blocks": blocks}, model_cfg
-
-
-def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, np.ndarray]:
+def dataset_streams(run: run_load.LoadedRun, specs: dict[str, str] | None) -> dict[str, np.ndarray]:
     """Validation token streams by name. ``specs``: name -> prepared DIR or DIR:SOURCE;
     None: every validation source of the run's own data."""
     if not specs:
@@ -131,7 +63,7 @@ def dataset_streams(run: LoadedRun, specs: dict[str, str] | None) -> dict[str, n
 
 
 def evaluate_run(
-    run: LoadedRun,
+    run: run_load.LoadedRun,
     *,
     lengths: list[int],
     datasets: dict[str, np.ndarray],
@@ -139,7 +71,7 @@ def evaluate_run(
     attention: AttentionConfig | None = None,
     dropped_mass: bool = False,
 ) -> dict:
-    params, model_cfg = with_attention(run, attention) if attention else (run.params, run.cfg.model)
+    params, model_cfg = run_load.with_attention(run, attention) if attention else (run.params, run.cfg.model)
     alphas = alpha_lib.layer_alphas(params, model_cfg.attention, model_cfg.num_layers)
     frozen_params, frozen_cfg = frozen_alphas(params, model_cfg)
     rows_tokens = run.cfg.eval.batch_size * run.cfg.seq_len
@@ -193,7 +125,7 @@ def eval_mesh(cfg: TrainConfig):
     ``mesh.devices``), data parallel over windows, or None for one device. Every process reads
     the same windows; each device scores its share."""
     from fibjax.config import MeshConfig
-    from fibjax.train.sharding import make_mesh
+    from fibjax.sharding import make_mesh
 
     devices = jax.devices()
     if cfg.mesh.devices and jax.process_count() == 1:  # at most as many as it took; a smaller machine uses what it has
@@ -207,7 +139,7 @@ def eval_mesh(cfg: TrainConfig):
         return make_mesh(MeshConfig(), devices)
 
 
-def check_finite(run: LoadedRun, results: dict[str, list[dict]]) -> None:
+def check_finite(run: run_load.LoadedRun, results: dict[str, list[dict]]) -> None:
     """A NaN or infinite NLL is an error naming the run, step and dataset, never a result."""
     for name, rows in results.items():
         bad = [r for r in rows if not (math.isfinite(r["nll"]) and math.isfinite(r["ppl"]))]
@@ -268,7 +200,7 @@ def rope_overrides(items: list[str]) -> list[str]:
     return out  # in any order: apply_overrides checks the model once with all of them
 
 
-def with_rope(run: LoadedRun, items: list[str]) -> LoadedRun:
+def with_rope(run: run_load.LoadedRun, items: list[str]) -> run_load.LoadedRun:
     """The run with its RoPE changed (theta, scaling): positions are not parameters, so the same
     weights are evaluated under another rotation, as after a context extension."""
     model = apply_overrides(run.cfg.model, rope_overrides(items))
@@ -297,7 +229,7 @@ def evaluate_workdir(
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
     run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
     ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings)."""
-    run = load_run(workdir, step_number)
+    run = run_load.load_run(workdir, step_number)
     if rope:
         run = with_rope(run, rope)
     lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])

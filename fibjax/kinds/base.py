@@ -27,11 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from fibjax.attention.common import group_queries, masked_softmax, stats_dtype
+from fibjax.errors import FibjaxError
 
 if TYPE_CHECKING:
     from fibjax.config import AttentionConfig, ModelConfig
 
 Array = jax.Array
+
+
+class DecodeUnavailable(FibjaxError, NotImplementedError):
+    """A kind that defines no decode plan or step cannot be decoded (a kind of your own may leave them out)."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,7 @@ class AttentionKind:
     # --- decoding ---------------------------------------------------------------------------
 
     def plan(self, attn, max_len: int) -> LayerPlan:
-        raise NotImplementedError(f"decoding a {self.name!r} layer is not available: its kind defines no plan()")
+        raise DecodeUnavailable(f"decoding a {self.name!r} layer is not available: its kind defines no plan()")
 
     def init_cache(self, plan: LayerPlan, batch: int, kv_heads: int, head_dim: int, dtype) -> tuple:
         """The empty cache (rows a position has not written are never attended)."""
@@ -127,7 +132,7 @@ class AttentionKind:
 
     def step(self, plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, x_B1D: Array, kv: tuple, pos: Array) -> tuple[Array, tuple]:
         """The output [B,1,H,E] of the query at ``pos`` (traced) and the cache with ``pos`` written."""
-        raise NotImplementedError(f"decoding a {self.name!r} layer is not available: its kind defines no step()")
+        raise DecodeUnavailable(f"decoding a {self.name!r} layer is not available: its kind defines no step()")
 
     def read_bytes(self, plan: LayerPlan, kv: tuple) -> int:
         """Cache bytes one token's attention reads (the decode benchmark's memory traffic)."""

@@ -18,11 +18,22 @@ import jax
 import numpy as np
 from flax import nnx
 
+from fibjax import sharding
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from fibjax.probe import geometry, soft_width
-from fibjax.probe.tasks import Band, DistanceSampler, Vocab, forced_choice_correct, marked_batch, marked_correct, max_retrieval_distance, retrieval_batch
-from fibjax.train import sharding, step
+from fibjax.probe.tasks import (
+    Band,
+    DistanceSampler,
+    ProbeError,
+    Vocab,
+    forced_choice_correct,
+    marked_batch,
+    marked_correct,
+    max_retrieval_distance,
+    retrieval_batch,
+)
+from fibjax.train import step
 
 # name -> AttentionConfig fields (plus the probe's window): the paper's probe conditions
 CONDITIONS: dict[str, dict] = {
@@ -72,19 +83,19 @@ class CellSpec:
 
     def __post_init__(self):
         if self.task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+            raise ProbeError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.condition not in CONDITIONS:
-            raise ValueError(f"condition must be one of {sorted(CONDITIONS)}, got {self.condition!r}")
+            raise ProbeError(f"condition must be one of {sorted(CONDITIONS)}, got {self.condition!r}")
         if self.task == "retrieval":
             top = max_retrieval_distance(self.seq_len)
             if not self.bands or max(hi for _, hi in self.bands) > top:
-                raise ValueError(f"retrieval needs training bands within 1..{top}, got {self.bands}")
+                raise ProbeError(f"retrieval needs training bands within 1..{top}, got {self.bands}")
             if any(not 1 <= d <= top for d in self.eval_distances):
-                raise ValueError(f"eval distances must lie in 1..{top}, got {self.eval_distances}")
+                raise ProbeError(f"eval distances must lie in 1..{top}, got {self.eval_distances}")
         elif len(self.marked_distances) != 2:
-            raise ValueError(f"the marked task needs two distances, got {self.marked_distances}")
+            raise ProbeError(f"the marked task needs two distances, got {self.marked_distances}")
         if self.soft_width > 0 and not self.attention().is_learned:
-            raise ValueError(f"soft_width applies to learned alpha only, not to {self.condition!r}")
+            raise ProbeError(f"soft_width applies to learned alpha only, not to {self.condition!r}")
 
     @property
     def name(self) -> str:

@@ -14,7 +14,7 @@ from fibjax import kinds
 from fibjax.attention import alpha as alpha_lib
 from fibjax.attention import offsets
 from fibjax.config import AttentionConfig
-from fibjax.probe.tasks import Band
+from fibjax.probe.tasks import Band, ProbeError
 
 
 def layer_distances(attention: AttentionConfig, num_layers: int, seq_len: int, alphas=None) -> list[tuple[int, ...]]:
@@ -28,7 +28,7 @@ def layer_distances(attention: AttentionConfig, num_layers: int, seq_len: int, a
         alphas = attention.layer_alphas(num_layers)
     sets = [kind.attended(attention, None if a is None else float(a), seq_len) for a in alphas]
     if any(s is None for s in sets):
-        raise ValueError(f"no fixed distance set for attention kind {attention.kind!r} (its keys are chosen by content)")
+        raise ProbeError(f"no fixed distance set for attention kind {attention.kind!r} (its keys are chosen by content)")
     return sets
 
 

@@ -28,7 +28,7 @@ from fibjax.attention import offsets
 from fibjax.config import AttentionConfig
 from fibjax.probe import geometry
 from fibjax.probe.cell import CONDITIONS, CellSpec, run_cell
-from fibjax.probe.tasks import Band, max_retrieval_distance
+from fibjax.probe.tasks import Band, ProbeError, max_retrieval_distance
 
 EXPERIMENTS = ("band", "marked", "coverage", "multiband", "soft")
 DEFAULT_EXPERIMENTS = ("band", "marked")
@@ -56,7 +56,7 @@ class GridOptions:
     def __post_init__(self):
         bad = [e for e in self.experiments if e not in EXPERIMENTS] + [c for c in self.conditions if c not in CONDITIONS]
         if bad:
-            raise ValueError(f"unknown experiment or condition {bad}; experiments: {EXPERIMENTS}, conditions: {tuple(CONDITIONS)}")
+            raise ProbeError(f"unknown experiment or condition {bad}; experiments: {EXPERIMENTS}, conditions: {tuple(CONDITIONS)}")
 
 
 def ranked_gap_centres(opts: GridOptions, width: int) -> list[int]:

@@ -19,6 +19,7 @@ from fibjax.eval import plots
 from fibjax.eval.report import Table, _num
 from fibjax.probe import geometry
 from fibjax.probe.cell import CONDITIONS
+from fibjax.probe.tasks import ProbeError
 
 
 def load_cells(out: Path) -> list[dict]:
@@ -444,7 +445,7 @@ def build_report(out: Path, *, make_plots: bool = True) -> tuple[list[Table], li
     out = Path(out)
     cells = load_cells(out)
     if not cells:
-        raise FileNotFoundError(f"no probe cell JSON under {out}/<experiment>/")
+        raise ProbeError(f"no probe cell JSON under {out}/<experiment>/")
     tables = build_tables(cells)
     written = [t.write_csv(out) for t in tables]
     figures: list[tuple[str, Path]] = []

@@ -27,6 +27,7 @@ from flax import nnx
 from fibjax.attention import offsets
 from fibjax.attention.common import group_queries, masked_softmax
 from fibjax.model import Transformer
+from fibjax.probe.tasks import ProbeError
 from fibjax.train import step as train_step
 
 FLOOR = 1e-6  # the bias far from every bump: log(1e-6) = -13.8
@@ -62,7 +63,7 @@ def soft_forward(model: Transformer, tokens_BT, width) -> jax.Array:
     cfg = model.cfg
     acfg = cfg.attention
     if not acfg.is_learned:
-        raise ValueError("the soft-width relaxation applies to learned alpha only")
+        raise ProbeError("the soft-width relaxation applies to learned alpha only")
     b, t = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rungs = offsets.rung_slots(window=acfg.window, base=acfg.bounded_base, seq_len=t)

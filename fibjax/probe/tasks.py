@@ -21,6 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fibjax.errors import FibjaxError
+
+
+class ProbeError(FibjaxError, ValueError):
+    """A probe setting that cannot run (a distance that does not fit, an unknown condition), or
+    nothing to report; the message says which."""
+
 
 @dataclass(frozen=True)
 class Vocab:
@@ -32,7 +39,7 @@ class Vocab:
 
     def __post_init__(self):
         if min(self.filler, self.keys, self.values) < 1:
-            raise ValueError(f"every token range needs at least one id, got {self}")
+            raise ProbeError(f"every token range needs at least one id, got {self}")
 
     @property
     def size(self) -> int:
@@ -73,13 +80,13 @@ def retrieval_batch(rng: np.random.Generator, batch: int, seq_len: int, distance
     """Task 1: ``batch`` sequences of ``seq_len`` tokens, V* at distance ``distance`` from the query."""
     t, d = seq_len, distance
     if not 1 <= d <= max_retrieval_distance(t):
-        raise ValueError(f"distance {d} does not fit in a sequence of {t} tokens (1 <= d <= {max_retrieval_distance(t)})")
+        raise ProbeError(f"distance {d} does not fit in a sequence of {t} tokens (1 <= d <= {max_retrieval_distance(t)})")
     if 1 + n_distract > min(vocab.keys, vocab.values):
-        raise ValueError(f"{1 + n_distract} distinct keys and values needed, the vocab has {vocab.keys} keys and {vocab.values} values")
+        raise ProbeError(f"{1 + n_distract} distinct keys and values needed, the vocab has {vocab.keys} keys and {vocab.values} values")
     key_pos, value_pos = t - 2 - d, t - 1 - d
     segments = ((0, key_pos), (value_pos + 1, t - 1))  # the free cells before and after the target, the query excluded
     if n_distract > sum((hi - lo) // 2 for lo, hi in segments):
-        raise ValueError(f"{n_distract} distractor bigrams do not fit in {t} tokens with the target at distance {d}")
+        raise ProbeError(f"{n_distract} distractor bigrams do not fit in {t} tokens with the target at distance {d}")
     x = rng.integers(0, vocab.filler, (batch, t), dtype=np.int32)
     keys = np.stack([rng.choice(vocab.keys, 1 + n_distract, replace=False) for _ in range(batch)]).astype(np.int32) + vocab.filler
     values = np.stack([rng.choice(vocab.values, 1 + n_distract, replace=False) for _ in range(batch)]).astype(np.int32) + vocab.filler + vocab.keys
@@ -122,7 +129,7 @@ class MarkedBatch:
 def marked_batch(rng: np.random.Generator, batch: int, seq_len: int, distances: tuple[int, int], payload_vocab: int) -> MarkedBatch:
     """Task 2: ids in [0, 2 * payload_vocab); position t copies the id d[marker_t] back."""
     if len(distances) != 2 or not all(1 <= d < seq_len for d in distances) or distances[0] == distances[1]:
-        raise ValueError(f"two different distances in [1, {seq_len - 1}] needed, got {distances}")
+        raise ProbeError(f"two different distances in [1, {seq_len - 1}] needed, got {distances}")
     payload = rng.integers(0, payload_vocab, (batch, seq_len), dtype=np.int32)
     marker = rng.integers(0, 2, (batch, seq_len), dtype=np.int32)
     x = payload + marker * payload_vocab
@@ -168,7 +175,7 @@ class DistanceSampler:
 
     def __post_init__(self):
         if not self.bands or any(b.lo < 1 or b.hi < b.lo for b in self.bands):
-            raise ValueError(f"bands need 1 <= lo <= hi, got {self.bands}")
+            raise ProbeError(f"bands need 1 <= lo <= hi, got {self.bands}")
 
     def draw(self, rng: np.random.Generator) -> int:
         band = self.bands[int(rng.integers(len(self.bands)))]

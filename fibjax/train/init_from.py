@@ -23,9 +23,10 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from fibjax import sharding
 from fibjax.config import ConfigError, TrainConfig
-from fibjax.train import sharding
-from fibjax.train.checkpoint import Checkpointer, CheckpointError, DamagedCheckpoint, changed_fields, load_run_config, pinned_tokenizer
+from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+from fibjax.run.workdir import CheckpointError, changed_fields, load_run_config, pinned_tokenizer
 
 # model fields that must equal the source run's (parameter shapes, or how parameters are read)
 FIXED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim", "resolved_mlp_hidden", "norm_eps", "param_dtype")

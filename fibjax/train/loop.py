@@ -28,23 +28,17 @@ import numpy as np
 from tqdm import tqdm
 
 from fibjax import data as data_lib
-from fibjax import distributed
+from fibjax import distributed, sharding
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.data import DataError
 from fibjax.data.token_files import META_FILE, check_token_ids, free_space, open_tokens
-from fibjax.train import init_from, sharding
-from fibjax.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    DamagedCheckpoint,
-    check_tokenizer_pin,
-    check_workdir,
-    claim_workdir,
-    disk_full,
-    finished_steps,
-    pin_tokenizer,
-)
-from fibjax.train.lock import WorkdirLock
+from fibjax.errors import FibjaxError
+from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+from fibjax.run.failures import disk_full
+from fibjax.run.integrity import finished_steps
+from fibjax.run.lock import WorkdirLock
+from fibjax.run.workdir import CheckpointError, check_tokenizer_pin, check_workdir, claim_workdir, data_dir_of, pin_tokenizer, resolve_data_dir
+from fibjax.train import init_from
 from fibjax.train.metrics import MetricsWriter, fit_summary, read_metrics
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
@@ -57,7 +51,7 @@ _FAULT_ENV = "FIBJAX_FAULT_AFTER_SAVE"
 _BATCH_LOG_ENV = "FIBJAX_LOG_BATCHES"
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(FibjaxError, RuntimeError):
     pass
 
 
@@ -68,19 +62,6 @@ class RunResult:
     data_dir: Path
     losses: list[float] = field(default_factory=list)
     already_done: bool = False  # the run had reached cfg.steps before: nothing was trained
-
-
-def data_dir_of(cfg: TrainConfig, workdir: Path) -> Path:
-    """The prepared dataset to train on: ``data.path``, or the embedded corpus in the workdir."""
-    return Path(cfg.data.path) if cfg.data.path else Path(workdir) / "data"
-
-
-def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
-    """``data_dir_of``, preparing the embedded corpus there on first use."""
-    if not cfg.data.path:
-        # one writer; the others wait for it (shared filesystem)
-        distributed.on_main(lambda: data_lib.prepare_default(data_dir_of(cfg, workdir), cfg.data.default_vocab_size), "preparing the default corpus")
-    return data_dir_of(cfg, workdir)
 
 
 def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
@@ -281,7 +262,7 @@ def _close_all(closers, *, failing: bool) -> None:
 def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> RunResult:
     """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``.
 
-    One run per workdir: process 0 holds its lock (fibjax/train/lock.py) from before the first
+    One run per workdir: process 0 holds its lock (fibjax/run/lock.py) from before the first
     check to the end, so a second start is refused at once, naming the holder."""
     distributed.initialize()
     workdir = Path(workdir)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import jax
 
+from fibjax.errors import FibjaxError
+
 METRICS_FILE = "metrics.jsonl"
 # A validation NLL this far above its best is overfitting, not noise: the curve scores the same
 # held-out windows every time, so it moves only with the weights.
@@ -46,7 +48,7 @@ def _keep_tensorboard_errors() -> None:
     threading.excepthook = hook
 
 
-class MetricsError(ValueError):
+class MetricsError(FibjaxError, ValueError):
     """metrics.jsonl holds a damaged line that is not its last (a crash only tears the last)."""
 
 

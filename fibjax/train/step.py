@@ -18,10 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from fibjax import sharding
 from fibjax.attention.alpha import PARAM, logit_to_alpha
 from fibjax.config import TrainConfig
 from fibjax.model import SSAStreams, Transformer, alpha_mask
-from fibjax.train import sharding
 from fibjax.train.optimizer import make_optimizer
 
 State = dict[str, Any]

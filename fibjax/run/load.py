@@ -1,0 +1,92 @@
+"""A run loaded for evaluation or decoding: its config, the parameters of one checkpoint (no
+optimizer state), its data directory and the tokenizer it trained with.
+
+The data must still hold that tokenizer (checked against the run's pin, ``workdir.py``); for a
+run on the embedded corpus whose data directory is gone, it is prepared again first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from fibjax import data as data_lib
+from fibjax.attention import alpha as alpha_lib
+from fibjax.config import AttentionConfig, TrainConfig
+from fibjax.data.token_files import TOKENIZER_FILE
+from fibjax.data.tokenizer import Tokenizer
+from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+from fibjax.run.workdir import CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir
+
+
+@dataclass
+class LoadedRun:
+    cfg: TrainConfig
+    step: int
+    params: dict
+    data_dir: Path
+    tokenizer_sha256: str
+    workdir: Path
+
+
+def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
+    """The run's config and the parameters of ``step_number`` (default: the latest checkpoint)."""
+    workdir = Path(workdir)
+    cfg = load_run_config(workdir)
+    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    try:
+        steps = ckpt.all_steps()
+        if not steps:
+            raise CheckpointError(f"{workdir} has no checkpoint yet")
+        chosen = steps[-1] if step_number is None else step_number
+        if chosen not in steps:
+            raise CheckpointError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
+        try:
+            # on this process's first device: a pod's processes each restore a copy, and the
+            # evaluation replicates it over the mesh (eval_mesh)
+            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
+        except DamagedCheckpoint as e:
+            earlier = ckpt.latest_intact_step(before=e.step)
+            raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
+    finally:
+        ckpt.close()
+    data_dir = resolve_data_dir(cfg, workdir)
+    # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
+    sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
+    return LoadedRun(cfg, chosen, params, data_dir, sha, workdir)
+
+
+def abstract_params(model_cfg, device) -> dict:
+    """ShapeDtypeStructs of the model's parameters, placed on ``device`` (nothing allocated)."""
+    from flax import nnx
+
+    from fibjax.model import Transformer
+
+    shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param))
+    place = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), shapes)
+
+
+def run_tokenizer(run: LoadedRun) -> Tokenizer:
+    """The tokenizer the run trained with (``load_run`` checked it against the run's record)."""
+    return Tokenizer.load(run.data_dir / TOKENIZER_FILE)
+
+
+def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
+    """(params, model config) for evaluating the run's weights under another attention.
+
+    Weights carry over unchanged; a learned layer's alpha_logit is dropped when the override has
+    none, and created from the override's schedule when the override learns alpha."""
+    model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
+    blocks = {}
+    for i, block in run.params["blocks"].items():
+        attn = {k: v for k, v in block["attn"].items() if k != alpha_lib.PARAM}
+        if attention.is_learned:
+            start = alpha_lib.alpha_to_logit(attention.layer_alphas(model_cfg.num_layers)[i])
+            attn[alpha_lib.PARAM] = block["attn"].get(alpha_lib.PARAM, np.float32(start))
+        blocks[i] = {**block, "attn": attn}
+    return {**run.params, "blocks": blocks}, model_cfg

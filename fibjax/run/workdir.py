@@ -1,0 +1,146 @@
+"""A run directory's own records: the run's config (claimed, compared on resume, loaded), the
+tokenizer it trained with, and where its data lives.
+
+A run is one workdir: ``config.json`` holds its resolved TrainConfig, written when the run
+starts and compared on every resume (only the fields in RESUMABLE_CHANGES may differ);
+``tokenizer.sha256`` pins the tokenizer of its data, so data prepared again under the same path
+is refused rather than read with other token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fibjax import data as data_lib
+from fibjax import distributed
+from fibjax.config import TrainConfig, from_dict, to_dict
+from fibjax.data.token_files import write_json_atomically
+from fibjax.errors import FibjaxError
+from fibjax.run.lock import LOCK_FILE
+
+CONFIG_FILE = "config.json"
+TOKENIZER_PIN = "tokenizer.sha256"
+# the embedded corpus's directory inside a run that names no data.path
+DATA_DIR = "data"
+# Fields a resumed run may change: how long and how often, and how the same step is computed
+# (layout, activation checkpointing, scanned layers, loss chunks), not what is trained.
+RESUMABLE_CHANGES = (
+    "steps",
+    "log_every",
+    "checkpoint",
+    "eval",
+    "mesh",
+    "data.worker_count",
+    "data.prepare",
+    "model.remat",
+    "model.scan_layers",
+    "model.logits_chunk",
+)
+
+
+class CheckpointError(FibjaxError, RuntimeError):
+    """A run directory or a checkpoint in it cannot be used; the message says why and what to do."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flatten(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def changed_fields(a: TrainConfig, b: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """Every dotted field whose value differs: {"model.rope_theta": (10000.0, 40000.0)}."""
+    fa, fb = _flatten(to_dict(a)), _flatten(to_dict(b))
+    return {k: (fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
+
+
+def config_differences(saved: TrainConfig, current: TrainConfig) -> list[str]:
+    """Fields that differ and may not change on resume, as 'field: saved -> current'."""
+    allowed = lambda key: any(key == f or key.startswith(f + ".") for f in RESUMABLE_CHANGES)  # noqa: E731
+    return [f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in changed_fields(saved, current).items() if not allowed(k)]
+
+
+def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
+    """The run already in ``workdir`` (None for a new run); writes nothing.
+
+    Raises CheckpointError when the workdir holds a different run or files of something else."""
+    path = Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        if Path(workdir).is_dir() and any(p.name != LOCK_FILE for p in Path(workdir).iterdir()):
+            raise CheckpointError(f"workdir {workdir} is not empty and holds no fibjax run ({CONFIG_FILE} missing); use another --workdir")
+        return None
+    try:
+        saved = from_dict(TrainConfig, json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a fibjax run config ({e}); use another --workdir") from None
+    diff = config_differences(saved, cfg)
+    if diff:
+        raise CheckpointError(
+            f"workdir {workdir} holds a run with a different config; nothing was changed. Differences:\n  "
+            + "\n  ".join(diff)
+            + "\nUse a new --workdir, or the same config to resume."
+        )
+    return saved
+
+
+def claim_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
+    """Record ``cfg`` in a new workdir, or check it against the run already there and record
+    it again (steps etc. may have changed). Returns the saved config (None for a new run)."""
+    saved = check_workdir(workdir, cfg)
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    write_json_atomically(Path(workdir) / CONFIG_FILE, to_dict(cfg))
+    return saved
+
+
+def load_run_config(workdir: Path) -> TrainConfig:
+    path = Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise CheckpointError(f"{workdir} holds no fibjax run ({CONFIG_FILE} missing)")
+    return from_dict(TrainConfig, json.loads(path.read_text()))
+
+
+def check_tokenizer_pin(workdir: Path, sha256: str) -> None:
+    """The data still uses the tokenizer the run trained with (if it trained at all).
+
+    A data directory prepared again (other inputs, another vocabulary) keeps its path but not
+    its token ids; training on or evaluating with it would give wrong numbers silently."""
+    pinned = pinned_tokenizer(workdir)
+    if pinned is not None and pinned != sha256:
+        raise CheckpointError(
+            f"the run in {workdir} was trained with tokenizer sha256 {pinned[:12]}..., but its data directory now holds "
+            f"{sha256[:12]}... (prepared again?); the token ids would not match. Point data.path at the original data."
+        )
+
+
+def pin_tokenizer(workdir: Path, sha256: str) -> None:
+    """Record the tokenizer a run trains with, or check that the data still uses it."""
+    check_tokenizer_pin(workdir, sha256)
+    path = Path(workdir) / TOKENIZER_PIN
+    if not path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(sha256 + "\n")
+        os.replace(tmp, path)
+
+
+def pinned_tokenizer(workdir: Path) -> str | None:
+    """The tokenizer sha256 a run trained with (None for a run that never started training)."""
+    path = Path(workdir) / TOKENIZER_PIN
+    return path.read_text().strip() if path.exists() else None
+
+
+def data_dir_of(cfg: TrainConfig, workdir: Path) -> Path:
+    """The run's prepared dataset: ``data.path``, or the embedded corpus in the workdir."""
+    return Path(cfg.data.path) if cfg.data.path else Path(workdir) / DATA_DIR
+
+
+def resolve_data_dir(cfg: TrainConfig, workdir: Path) -> Path:
+    """``data_dir_of``, preparing the embedded corpus there on first use."""
+    if not cfg.data.path:
+        # one writer; the others wait for it (shared filesystem)
+        distributed.on_main(lambda: data_lib.prepare_default(data_dir_of(cfg, workdir), cfg.data.default_vocab_size), "preparing the default corpus")
+    return data_dir_of(cfg, workdir)
