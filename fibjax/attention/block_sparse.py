@@ -129,7 +129,7 @@ def in_runs(fn, q_BKGTD: Array, blocks: tuple[Array, ...], *, block: int, chunk:
 def _merge_chunks(x_M_: Array, axis: int) -> Array:
     """[M, ..., C (at ``axis`` of a chunk's output), ...] -> [..., M x C, ...]."""
     y = jnp.moveaxis(x_M_, 0, axis)
-    return y.reshape(*y.shape[:axis], -1, *y.shape[axis + 2 :])
+    return y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2 :])
 
 
 def choice_layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:

@@ -178,7 +178,7 @@ def window_attention_xla(q: Array, k: Array, v: Array, *, window: int, query_chu
     return jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "return_lse", "query_chunk"))
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "return_lse", "query_chunk", "window_chunk"))
 def nsa_attention_xla(
     q: Array,
     k: Array,
@@ -192,15 +192,18 @@ def nsa_attention_xla(
     window: int,
     return_lse: bool = False,
     query_chunk: int = QUERY_CHUNK,
+    window_chunk: int = WINDOW_CHUNK,
 ):
     """The XLA program behind :func:`nsa_attention` (no argument checks): three branches, each in
-    q's dtype, mixed in float32."""
+    q's dtype, mixed in float32. ``query_chunk``: queries per step of the compressed branch and
+    the choice (one softmax serves both); ``window_chunk``: of the window band."""
     top = block_sparse.num_earlier_blocks(q.shape[1], block_size, num_blocks)
     o_cmp, _, idx_BKTS = _compressed_and_choice(q, k_cmp, v_cmp, block=block_size, top=top, query_chunk=query_chunk)
     tiles = dict(pair_tile=block_grouped.TILE, tile_chunk=block_grouped.CHUNK)
     o_slc, lse_slc = block_sparse.attend_blocks(q, k, v, idx_BKTS, block_size=block_size, return_lse=True, **tiles)
-    o_win = window_attention_xla(q, k, v, window=window)
+    o_win = window_attention_xla(q, k, v, window=window, query_chunk=window_chunk)
     g_BTH3 = gates.astype(jnp.float32)
+    o_cmp = o_cmp.astype(q.dtype)  # as the other branches
     out_BTHD = sum(g_BTH3[..., i, None] * o.astype(jnp.float32) for i, o in enumerate((o_cmp, o_slc, o_win)))
     out_BTHD = out_BTHD.astype(q.dtype)
     return (out_BTHD, lse_slc) if return_lse else out_BTHD
