@@ -12,7 +12,8 @@ block may be ragged). Query i in block c = i // B attends:
   Ties go to the lower block index; with fewer than S-1 earlier blocks, all of them.
 
 then an exact float32 softmax over every key of the selected blocks. S = ``num_blocks``.
-NSA (``nsa.py``) reuses this with its compressed keys in place of the block means.
+NSA (``nsa.py``) reuses the choice's pieces (``group_probabilities``, ``top_earlier``, ``in_runs``)
+with its compressed keys in place of the block means, and ``attend_blocks``.
 
 Nothing is [T, T]. The choice: queries in chunks (one ``lax.map`` step each), a chunk scoring its
 queries against the block means and keeping the top S-1 with ``lax.top_k`` (which puts equal

@@ -10,9 +10,13 @@ gates g [B,T,H,3] in [0, 1] (sigmoids the model computes from the layer input):
   (n + 1) B - 1 <= i; a query before the end of block 0 sees none and o_cmp = 0;
 * selected: its own block (causally) and the S-1 earlier blocks (S = ``num_blocks``) with the
   largest sum over the G query heads of its KV group of that head's compressed-branch softmax
-  probability (NSA eq. 9-10; ``block_sparse`` with ``block_rank="nsa_prob"`` and k_cmp as the
-  block keys; no gradient through the choice; ties to the lower block);
+  probability (NSA eq. 9-10; the choice of ``block_sparse`` with ``block_rank="nsa_prob"`` and
+  k_cmp as the block keys; no gradient through the choice; ties to the lower block);
 * window: keys i - W .. i (W = ``window``, the repo's window {0..W}: W + 1 keys).
+
+The compressed branch and the choice share one softmax per query chunk (the ranking reads the
+branch's probabilities rather than recomputing them); the selected branch is ``block_sparse``'s
+attention over that choice; the window is a flash-style band. Figures: BUILD_NOTES.md, "NSA".
 
 Compression and selection share one blocking (block length = stride = selection block), as the
 reference code (fla-org/native-sparse-attention, used by paper B) does. Decisions and deviations
