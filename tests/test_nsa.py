@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fibjax.attention import offset_attention
+from fibjax.attention import block_sparse, nsa, offset_attention
 from fibjax.attention.block_sparse import block_sparse_attention_xla, select_blocks
-from fibjax.attention.nsa import compress_blocks, compressed_attention_xla, nsa_attention, nsa_attention_xla
+from fibjax.attention.nsa import compress_blocks, compressed_attention_xla, nsa_attention, nsa_attention_xla, window_attention_xla
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, SSAConfig, apply_overrides, load_config_file
 from fibjax.model import SSAStreams, Transformer
 from tests import block_oracle as bo
+from tests import oracle
 from tests.tiers import first_fast, slow
 
 KEY = jax.random.PRNGKey(0)
@@ -80,9 +81,10 @@ def test_forward_matches_oracle(dtype, case):
     _close(lse, ref_lse, bo.TOL[dtype])
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "query_chunk"))
-def _grads(args, w, *, block_size, num_blocks, window, query_chunk=512):
-    f = lambda *a: jnp.sum(nsa_attention_xla(*a, block_size=block_size, num_blocks=num_blocks, window=window, query_chunk=query_chunk).astype(jnp.float32) * w)
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "query_chunk", "window_chunk"))
+def _grads(args, w, *, block_size, num_blocks, window, query_chunk=512, window_chunk=512):
+    kw = dict(block_size=block_size, num_blocks=num_blocks, window=window, query_chunk=query_chunk, window_chunk=window_chunk)
+    f = lambda *a: jnp.sum(nsa_attention_xla(*a, **kw).astype(jnp.float32) * w)
     return jax.grad(f, tuple(range(6)))(*args)
 
 
@@ -104,13 +106,61 @@ def test_query_chunks_change_nothing():
     case = CASES[0]
     args = _inputs(case)
     w = jax.random.normal(jax.random.PRNGKey(2), args[0].shape)
-    one = nsa_attention_xla(*args, **_kwargs(case), return_lse=True)
+    one = nsa_attention_xla(*args, **_kwargs(case), return_lse=True, query_chunk=512, window_chunk=512)
     for chunk in (4, 12):
-        many = nsa_attention_xla(*args, **_kwargs(case), return_lse=True, query_chunk=chunk)
+        many = nsa_attention_xla(*args, **_kwargs(case), return_lse=True, query_chunk=chunk, window_chunk=chunk - 1)
         for a, r in zip(many, one):
             _close(a, r, bo.TOL[jnp.float32])
-        for a, r in zip(_grads(args, w, **_kwargs(case), query_chunk=chunk), _grads(args, w, **_kwargs(case))):
+        for a, r in zip(_grads(args, w, **_kwargs(case), query_chunk=chunk, window_chunk=chunk - 1), _grads(args, w, **_kwargs(case))):
             _close(a, r, bo.GRAD_TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, chunk", first_fast([(5, 4), (40, 7), (0, 3), (9, 64)], keep=2, unpack=True))
+def test_window_branch_matches_oracle(dtype, window, chunk):
+    """The band's flash forward and its own backward, in chunks that do not divide T (padded),
+    smaller and larger than the window, and a window past T."""
+    q, k, v = bo.dyadic_qkv(KEY, 2, 37, 6, 2, 8, dtype)
+    w = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    allowed = jnp.asarray(oracle.distance_mask(37, range(window + 1)))
+    out = window_attention_xla(q, k, v, window=window, query_chunk=chunk)
+    assert out.dtype == dtype
+    _close(out, oracle.masked_attention(q, k, v, allowed)[0], bo.TOL[dtype])
+    grads = jax.grad(lambda *a: jnp.sum(window_attention_xla(*a, window=window, query_chunk=chunk).astype(jnp.float32) * w), (0, 1, 2))(q, k, v)
+    refs = jax.grad(lambda *a: jnp.sum(oracle.masked_attention(*a, allowed)[0] * w), (0, 1, 2))(q, k, v)
+    for g, r in zip(grads, refs):
+        _close(g, r, bo.GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", first_fast(DTYPES))
+def test_compressed_branch_in_runs_matches_oracle(dtype):
+    """The compressed branch in mapped chunks over several runs (each reading the blocks before
+    its end), forward and gradients."""
+    q, k, v, kc, vc, _ = _inputs((1, 90, 4, 2, 8, 4, 3, 5), dtype)
+    w = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    run = functools.partial(compressed_attention_xla, block_size=4, query_chunk=8)  # 12 chunks in 8 runs
+    _close(run(q, kc, vc), bo.compressed_reference(q, kc, vc, 4), bo.TOL[dtype])
+    grads = jax.grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32) * w), (0, 1, 2))(q, kc, vc)
+    refs = jax.grad(lambda *a: jnp.sum(bo.compressed_reference(*a, 4) * w), (0, 1, 2))(q, kc, vc)
+    for g, r in zip(grads, refs):
+        _close(g, r, bo.GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("t, chunk", first_fast([(700, 256), (300, 16), (45, 256)], keep=2, unpack=True))
+def test_choice_from_the_compressed_softmax_is_block_sparse_choice(t, chunk):
+    """NSA ranks from its compressed branch's probabilities; block_sparse's nsa_prob rule
+    recomputes them: the same blocks in the same order, ties included (all-equal compressed keys:
+    every earlier block scores alike, so the lowest ones, in order)."""
+    q, k, _ = jax.random.normal(KEY, (3, 2, t, 4, 8)).astype(jnp.float32)
+    k = k[:, :, :2]
+    kc = jax.random.normal(jax.random.PRNGKey(1), (2, t // 4, 2, 8))
+    for rank_keys in (kc, jnp.zeros_like(kc)):
+        _, _, got = nsa._compressed_and_choice(q, rank_keys, rank_keys, block=4, top=5, query_chunk=chunk)
+        want = block_sparse._chosen_blocks(q, k, rank_keys, block=4, top=5, rule="nsa_prob", chunk=chunk)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    own = np.arange(t) // 4
+    lowest = np.where(np.arange(5)[None, :] < own[:, None], np.arange(5)[None, :], -1)
+    np.testing.assert_array_equal(np.asarray(got)[0, 0, :t, 1:], lowest)
 
 
 def test_gates_at_extremes_select_one_branch():

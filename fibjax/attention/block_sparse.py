@@ -12,7 +12,8 @@ block may be ragged). Query i in block c = i // B attends:
   Ties go to the lower block index; with fewer than S-1 earlier blocks, all of them.
 
 then an exact float32 softmax over every key of the selected blocks. S = ``num_blocks``.
-NSA (``nsa.py``) reuses this with its compressed keys in place of the block means.
+NSA (``nsa.py``) reuses the choice's pieces (``group_probabilities``, ``top_earlier``, ``in_runs``)
+with its compressed keys in place of the block means, and ``attend_blocks``.
 
 Nothing is [T, T]. The choice: queries in chunks (one ``lax.map`` step each), a chunk scoring its
 queries against the block means and keeping the top S-1 with ``lax.top_k`` (which puts equal
@@ -53,34 +54,46 @@ def _block_sums(k_BTKD: Array, block: int) -> Array:
     return jnp.sum(k_BTKD.reshape(b, t // block, block, kh, d).astype(jnp.float32), axis=2)
 
 
-def _select(q_BKGCD: Array, rank_BKND: Array, query_start, *, block: int, top: int, rule: str) -> Array:
-    """The ``top`` best earlier blocks [B,K,C,top] int32 of queries query_start + [0, C), in
-    descending score; -1 marks an empty slot. ``rank_BKND``: the key standing for each block
-    (``_rank_keys``), at least the blocks before the chunk's end; q is not yet scaled.
-
-    ``mean_key`` scores q . sum(K_b) rather than q . mean(K_b): every candidate b < c is a full
-    block, so the two differ by the constant factor B and rank identically (and the sum is exact
-    for dyadic test inputs, which makes ties reproducible)."""
-    b, kh, g, c, d = q_BKGCD.shape
-    n = rank_BKND.shape[2]
-    own_C = (query_start + jnp.arange(c)) // block
-    q_BKGCD, rank_BKND = jax.lax.stop_gradient(q_BKGCD).astype(jnp.float32), jax.lax.stop_gradient(rank_BKND)
-    # full float32 even where TF32 / bf16 passes are the default (GPU, TPU): the choice is discrete
+def group_probabilities(q_BKGCD: Array, rank_BKND: Array, query_start, *, block: int) -> Array:
+    """NSA's p_cmp: each head's softmax [B,K,G,C,N] over the blocks wholly in the past (the own
+    one once complete) of logits q . rank / sqrt(D), in float32 at full precision (the choice is
+    discrete: no TF32 / bf16 passes), and the log-sum-exp [B,K,G,C]. Differentiable: the
+    compressed branch attends with the same probabilities."""
+    c, d = q_BKGCD.shape[3:]
     hi = jax.lax.Precision.HIGHEST
-    if rule == "mean_key":
-        s_BKCN = jnp.einsum("bkcd,bknd->bkcn", jnp.sum(q_BKGCD, axis=2), rank_BKND, precision=hi)
-    else:
-        s_BKGCN = jnp.einsum("bkgcd,bknd->bkgcn", q_BKGCD, rank_BKND, precision=hi) / math.sqrt(d)
-        # each head's softmax over the blocks wholly in the past (the own one once complete), as NSA's p_cmp
-        pos_C = query_start + jnp.arange(c)
-        past_CN = jnp.arange(n)[None, :] < ((pos_C + 1) // block)[:, None]
-        p_BKGCN, _ = masked_softmax(s_BKGCN, past_CN)
-        s_BKCN = jnp.sum(p_BKGCN, axis=2)
+    s_BKGCN = jnp.einsum("bkgcd,bknd->bkgcn", q_BKGCD.astype(jnp.float32), rank_BKND, precision=hi) / math.sqrt(d)
+    past_CN = jnp.arange(rank_BKND.shape[2])[None, :] < ((query_start + jnp.arange(c) + 1) // block)[:, None]
+    return masked_softmax(s_BKGCN, past_CN)
+
+
+def top_earlier(s_BKCN: Array, query_start, *, block: int, top: int) -> Array:
+    """The ``top`` best-scoring earlier blocks [B,K,C,top] int32 of queries query_start + [0, C),
+    in descending score (equal scores: the lower block first, as ``lax.top_k`` orders them);
+    -1 marks an empty slot."""
+    c, n = s_BKCN.shape[2:]
+    own_C = (query_start + jnp.arange(c)) // block
     earlier_CN = jnp.arange(n)[None, :] < own_C[:, None]
     _, idx_BKCE = jax.lax.top_k(jnp.where(earlier_CN, s_BKCN, -jnp.inf), min(top, n))
     # a slot is filled iff its block is earlier; -inf candidates sort after every real score
     idx_BKCE = jnp.where(idx_BKCE < own_C[:, None], idx_BKCE, -1).astype(jnp.int32)
     return jnp.pad(idx_BKCE, ((0, 0), (0, 0), (0, 0), (0, top - idx_BKCE.shape[-1])), constant_values=-1)
+
+
+def _select(q_BKGCD: Array, rank_BKND: Array, query_start, *, block: int, top: int, rule: str) -> Array:
+    """The ``top`` best earlier blocks [B,K,C,top] (``top_earlier``) of queries query_start + [0, C).
+    ``rank_BKND``: the key standing for each block (``_rank_keys``), at least the blocks before
+    the chunk's end; q is not yet scaled.
+
+    ``mean_key`` scores q . sum(K_b) rather than q . mean(K_b): every candidate b < c is a full
+    block, so the two differ by the constant factor B and rank identically (and the sum is exact
+    for dyadic test inputs, which makes ties reproducible)."""
+    q_BKGCD, rank_BKND = jax.lax.stop_gradient(q_BKGCD).astype(jnp.float32), jax.lax.stop_gradient(rank_BKND)
+    if rule == "mean_key":
+        # full float32 even where TF32 / bf16 passes are the default (GPU, TPU): the choice is discrete
+        s_BKCN = jnp.einsum("bkcd,bknd->bkcn", jnp.sum(q_BKGCD, axis=2), rank_BKND, precision=jax.lax.Precision.HIGHEST)
+    else:
+        s_BKCN = jnp.sum(group_probabilities(q_BKGCD, rank_BKND, query_start, block=block)[0], axis=2)
+    return top_earlier(s_BKCN, query_start, block=block, top=top)
 
 
 def _rank_keys(k_BTKD: Array, rank_keys: Array | None, *, block: int, rule: str) -> Array:
@@ -94,26 +107,33 @@ def _rank_keys(k_BTKD: Array, rank_keys: Array | None, *, block: int, rule: str)
     return jnp.swapaxes(rank_BNKD, 1, 2)
 
 
-def _choose(q_BKGTD: Array, rank_BKND: Array, *, block: int, top: int, rule: str, chunk: int) -> Array:
-    """Earlier blocks [B,K,T,top] of every query (T a multiple of ``chunk``, a multiple of
-    ``block``): chunks of queries in runs, each run reading the blocks before its end."""
+def in_runs(fn, q_BKGTD: Array, blocks: tuple[Array, ...], *, block: int, chunk: int, axes: tuple[int, ...]) -> tuple[Array, ...]:
+    """``fn(q_BKGCD, *blocks_seg, query_start)`` over chunks of queries (T a multiple of ``chunk``,
+    a multiple of ``block``), in runs that each read only the blocks [B,K,N,D] before the run's
+    end; fn's outputs joined along their query axes ``axes``."""
     t = q_BKGTD.shape[3]
     m = t // chunk
-    bounds = [round(i * m / min(RANK_SEGMENTS, m)) * chunk for i in range(min(RANK_SEGMENTS, m) + 1)]
+    runs = min(RANK_SEGMENTS, m)
+    bounds = [round(i * m / runs) * chunk for i in range(runs + 1)]
     parts = []
     for s, e in zip(bounds[:-1], bounds[1:]):
-        rank_seg = rank_BKND[:, :, : e // block]
-        body = functools.partial(_select, rank_BKND=rank_seg, block=block, top=top, rule=rule)
+        seg = tuple(x[:, :, : e // block] for x in blocks)
         if e - s == chunk:
-            parts.append(body(q_BKGTD[:, :, :, s:e], query_start=s))
+            parts.append(fn(q_BKGTD[:, :, :, s:e], *seg, s))
             continue
         q_MBKGCD = jnp.moveaxis(q_BKGTD[:, :, :, s:e].reshape(*q_BKGTD.shape[:3], (e - s) // chunk, chunk, -1), 3, 0)
-        idx_M = jax.lax.map(lambda xs: body(xs[0], query_start=xs[1]), (q_MBKGCD, s + chunk * jnp.arange((e - s) // chunk, dtype=jnp.int32)))
-        parts.append(jnp.moveaxis(idx_M, 0, 2).reshape(*q_BKGTD.shape[:2], e - s, top))
-    return jnp.concatenate(parts, axis=2)
+        out_M = jax.lax.map(lambda xs, seg=seg: fn(xs[0], *seg, xs[1]), (q_MBKGCD, s + chunk * jnp.arange((e - s) // chunk, dtype=jnp.int32)))
+        parts.append(tuple(_merge_chunks(x, a) for x, a in zip(out_M, axes)))
+    return tuple(jnp.concatenate(xs, axis=a) for xs, a in zip(zip(*parts), axes))
 
 
-def _layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
+def _merge_chunks(x_M_: Array, axis: int) -> Array:
+    """[M, ..., C (at ``axis`` of a chunk's output), ...] -> [..., M x C, ...]."""
+    y = jnp.moveaxis(x_M_, 0, axis)
+    return y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2 :])
+
+
+def choice_layout(t: int, block: int, query_chunk: int) -> tuple[int, int]:
     """(queries per chunk of the choice, padded length): the chunk is a multiple of the block
     and divides the length."""
     t_blocks = -(-t // block) * block
@@ -126,19 +146,42 @@ def num_earlier_blocks(t: int, block: int, num_blocks: int) -> int:
     return min(num_blocks - 1, -(-t // block) - 1)
 
 
-def _chosen_blocks(q: Array, k: Array, rank_keys: Array | None, *, block: int, top: int, rule: str, chunk: int) -> Array:
-    """[B,K,T',1+top] for q [B,T,H,D], k [B,T,K,D] (T' = T rounded up to ``block``): slot 0 the
-    query's own block, then its choice; the padded queries choose nothing."""
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    chunk, t_pad = _layout(t, block, chunk)
+def grouped_queries(q: Array, kv_heads: int, t_pad: int) -> Array:
+    """[B,T,H,D] -> [B,K,G,T',D] unscaled, padded to t_pad (the choice's layout)."""
+    b, _, h, d = q.shape
+    return jnp.transpose(_pad_to(q, t_pad).reshape(b, t_pad, kv_heads, h // kv_heads, d), (0, 2, 3, 1, 4))
+
+
+def with_own_block(idx_BKTE: Array, t: int, block: int) -> Array:
+    """[B,K,T',1+top] (T' = T rounded up to ``block``): slot 0 the query's own block, then the
+    choice ``idx_BKTE`` (at least T' queries); the padded queries choose nothing."""
+    b, kh = idx_BKTE.shape[:2]
     t_blocks = -(-t // block) * block
-    q_BKGTD = jnp.transpose(_pad_to(q, t_pad).reshape(b, t_pad, kh, h // kh, d), (0, 2, 3, 1, 4))
-    rank_BKND = _rank_keys(_pad_to(k, t_pad), rank_keys, block=block, rule=rule)
-    idx_BKTE = _choose(q_BKGTD, rank_BKND, block=block, top=top, rule=rule, chunk=chunk)[:, :, :t_blocks]
-    idx_BKTE = jnp.where((jnp.arange(t_blocks) < t)[:, None], idx_BKTE, -1)
+    idx_BKTE = jnp.where((jnp.arange(t_blocks) < t)[:, None], idx_BKTE[:, :, :t_blocks], -1)
     own_BKT1 = jnp.broadcast_to((jnp.arange(t_blocks, dtype=jnp.int32) // block)[:, None], (b, kh, t_blocks, 1))
     return jnp.concatenate([own_BKT1, idx_BKTE], axis=-1)
+
+
+def _chosen_blocks(q: Array, k: Array, rank_keys: Array | None, *, block: int, top: int, rule: str, chunk: int) -> Array:
+    """[B,K,T',1+top] for q [B,T,H,D], k [B,T,K,D] (``with_own_block``)."""
+    chunk, t_pad = choice_layout(q.shape[1], block, chunk)
+    rank_BKND = _rank_keys(_pad_to(k, t_pad), rank_keys, block=block, rule=rule)
+    q_BKGTD = grouped_queries(q, k.shape[2], t_pad)
+    select = functools.partial(_select, block=block, top=top, rule=rule)
+    (idx_BKTE,) = in_runs(lambda q_, r_, start: (select(q_, r_, start),), q_BKGTD, (rank_BKND,), block=block, chunk=chunk, axes=(2,))
+    return with_own_block(idx_BKTE, q.shape[1], block)
+
+
+def attend_blocks(q: Array, k: Array, v: Array, idx_BKTS: Array, *, block_size: int, return_lse: bool, pair_tile: int, tile_chunk: int):
+    """Causal softmax attention of each query over its blocks ``idx_BKTS`` (``with_own_block``)."""
+    t, kh = q.shape[1], k.shape[2]
+    t_blocks = idx_BKTS.shape[2]
+    # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
+    q, k, v = (_pad_to(x, t_blocks) for x in (q, k, v))
+    q_BTKGD = group_queries(q, kh)  # the same rounding as every other path's
+    layout = block_grouped.pair_layout(idx_BKTS, t_blocks // block_size, tile=pair_tile, chunk=tile_chunk)
+    o_BTKGD, lse_BTKG = block_grouped.grouped_attention(q_BTKGD, k, v, layout, block_size, pair_tile, tile_chunk)
+    return finish(o_BTKGD, lse_BTKG, q[:, :t], return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk", "block_rank", "pair_tile", "tile_chunk"))
@@ -160,17 +203,9 @@ def block_sparse_attention_xla(
     [B, N', K, D] (N' <= T // block_size, NSA's compressed keys) replace the block means in the
     ranking. ``query_chunk``: queries per step of the choice; ``pair_tile``, ``tile_chunk``: the
     attention's tiles (``block_grouped``)."""
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    top = num_earlier_blocks(t, block_size, num_blocks)
+    top = num_earlier_blocks(q.shape[1], block_size, num_blocks)
     idx_BKTS = _chosen_blocks(q, k, rank_keys, block=block_size, top=top, rule=block_rank, chunk=query_chunk)
-    t_blocks = idx_BKTS.shape[2]
-    # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
-    q, k, v = (_pad_to(x, t_blocks) for x in (q, k, v))
-    q_BTKGD = group_queries(q, kh)  # the same rounding as every other path's
-    layout = block_grouped.pair_layout(idx_BKTS, t_blocks // block_size, tile=pair_tile, chunk=tile_chunk)
-    o_BTKGD, lse_BTKG = block_grouped.grouped_attention(q_BTKGD, k, v, layout, block_size, pair_tile, tile_chunk)
-    return finish(o_BTKGD, lse_BTKG, q[:, :t], return_lse)
+    return attend_blocks(q, k, v, idx_BKTS, block_size=block_size, return_lse=return_lse, pair_tile=pair_tile, tile_chunk=tile_chunk)
 
 
 def check_budget(block_size, num_blocks, block_rank: str = "mean_key") -> None:

@@ -10,9 +10,13 @@ gates g [B,T,H,3] in [0, 1] (sigmoids the model computes from the layer input):
   (n + 1) B - 1 <= i; a query before the end of block 0 sees none and o_cmp = 0;
 * selected: its own block (causally) and the S-1 earlier blocks (S = ``num_blocks``) with the
   largest sum over the G query heads of its KV group of that head's compressed-branch softmax
-  probability (NSA eq. 9-10; ``block_sparse`` with ``block_rank="nsa_prob"`` and k_cmp as the
-  block keys; no gradient through the choice; ties to the lower block);
+  probability (NSA eq. 9-10; the choice of ``block_sparse`` with ``block_rank="nsa_prob"`` and
+  k_cmp as the block keys; no gradient through the choice; ties to the lower block);
 * window: keys i - W .. i (W = ``window``, the repo's window {0..W}: W + 1 keys).
+
+The compressed branch and the choice share one softmax per query chunk (the ranking reads the
+branch's probabilities rather than recomputing them); the selected branch is ``block_sparse``'s
+attention over that choice; the window is a flash-style band. Figures: BUILD_NOTES.md, "NSA".
 
 Compression and selection share one blocking (block length = stride = selection block), as the
 reference code (fla-org/native-sparse-attention, used by paper B) does. Decisions and deviations
@@ -27,10 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fibjax.attention.block_sparse import QUERY_CHUNK, block_sparse_attention_xla, check_budget, check_rank_keys
-from fibjax.attention.common import Array, check_qkv, finish, group_queries, masked_softmax, stats_dtype
+from fibjax.attention import block_grouped, block_sparse
+from fibjax.attention.block_sparse import QUERY_CHUNK, check_budget, check_rank_keys
+from fibjax.attention.common import Array, check_qkv, group_queries, stats_dtype
 
 BRANCHES = ("cmp", "slc", "win")  # the order of the gates' last axis
+# Queries per step of the window band: each reads C + W keys, so smaller is less waste until
+# the steps' overhead dominates (measured: BUILD_NOTES, "NSA")
+WINDOW_CHUNK = 64
 
 
 def compress_blocks(x_BTKD: Array, pos_JD: Array, w_in_XF: Array, w_out_FD: Array) -> Array:
@@ -52,80 +60,129 @@ def compress_blocks(x_BTKD: Array, pos_JD: Array, w_in_XF: Array, w_out_FD: Arra
     return (mean_BNKD + mlp_BNKD.astype(jnp.float32)).astype(x_BTKD.dtype)
 
 
-def _compressed_chunk(q_BCKGD: Array, k_BNKD: Array, v_BNKD: Array, query_start, *, block: int):
-    """Queries query_start + [0, C) (pre-scaled) against the blocks wholly in their past."""
-    pos_C = query_start + jnp.arange(q_BCKGD.shape[1])
-    past_CN = (jnp.arange(k_BNKD.shape[1])[None, :] + 1) * block - 1 <= pos_C[:, None]
-    s_BKGCN = jnp.einsum("bckgd,bnkd->bkgcn", q_BCKGD, k_BNKD, preferred_element_type=stats_dtype(q_BCKGD))
-    p_BKGCN, lse_BKGC = masked_softmax(s_BKGCN, past_CN)
-    o_BCKGD = jnp.einsum("bkgcn,bnkd->bckgd", p_BKGCN, v_BNKD.astype(p_BKGCN.dtype))
-    return o_BCKGD, jnp.transpose(lse_BKGC, (0, 3, 1, 2))
+def _compressed_chunk(q_BKGCD: Array, k_BKND: Array, v_BKND: Array, query_start, *, block: int, top: int):
+    """Queries query_start + [0, C) (unscaled) against the compressed blocks wholly in their past:
+    output [B,K,G,C,D] float32, lse [B,K,G,C], and the selection [B,K,C,top] ranked by the same
+    probabilities (summed over the group, no gradient through the choice)."""
+    p_BKGCN, lse_BKGC = block_sparse.group_probabilities(q_BKGCD, k_BKND, query_start, block=block)
+    idx_BKCE = block_sparse.top_earlier(jnp.sum(jax.lax.stop_gradient(p_BKGCN), axis=2), query_start, block=block, top=top)
+    return jnp.einsum("bkgcn,bknd->bkgcd", p_BKGCN, v_BKND), lse_BKGC, idx_BKCE
+
+
+def _compressed_and_choice(q: Array, k_cmp: Array, v_cmp: Array, *, block: int, top: int, query_chunk: int):
+    """The compressed branch (out [B,T,H,D] float32, lse [B,T,H]) and the selected blocks
+    [B,K,T',1+top] (``block_sparse.with_own_block``) from one softmax per query: NSA's ranking
+    is the group sum of this branch's probabilities (eq. 9-10). Queries in chunks (rematerialised
+    in the backward), in runs that read only the blocks before their end."""
+    b, t, h, d = q.shape
+    kh = k_cmp.shape[2]
+    chunk, t_pad = block_sparse.choice_layout(t, block, query_chunk)
+    # float32, zeros past the complete blocks (never visible): as block_sparse ranks by rank_keys
+    k_BKND, v_BKND = (jnp.swapaxes(block_sparse._pad_to(x.astype(jnp.float32), t_pad // block), 1, 2) for x in (k_cmp, v_cmp))
+    body = jax.checkpoint(functools.partial(_compressed_chunk, block=block, top=top))
+    q_BKGTD = block_sparse.grouped_queries(q, kh, t_pad)
+    o_BKGTD, lse_BKGT, idx_BKTE = block_sparse.in_runs(body, q_BKGTD, (k_BKND, v_BKND), block=block, chunk=chunk, axes=(3, 3, 2))
+    o_BTHD = jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, d)
+    lse_BTH = jnp.transpose(lse_BKGT, (0, 3, 1, 2))[:, :t].reshape(b, t, h)
+    return o_BTHD, lse_BTH, block_sparse.with_own_block(idx_BKTE, t, block)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "return_lse", "query_chunk"))
 def compressed_attention_xla(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, return_lse: bool = False, query_chunk: int = QUERY_CHUNK):
-    """NSA's compressed branch alone: [B,T,H,D] (and lse [B,T,H]); queries in chunks of
-    ``query_chunk`` (``lax.map``, rematerialised), so the scores are at most chunk x T / B."""
-    b, t, h, d = q.shape
-    kh, n = k_cmp.shape[2], k_cmp.shape[1]
-    q_BTKGD = group_queries(q, kh)
-    if n == 0:  # shorter than one block: no query has a compressed block
-        return finish(jnp.zeros(q_BTKGD.shape, jnp.float32), jnp.full(q_BTKGD.shape[:4], -jnp.inf), q, return_lse)
-    body = functools.partial(_compressed_chunk, block=block_size)
-    if t <= query_chunk:
-        o_BTKGD, lse_BTKG = body(q_BTKGD, k_cmp, v_cmp, 0)
-    else:
-        m = -(-t // query_chunk)
-        q_pad = jnp.pad(q_BTKGD, ((0, 0), (0, m * query_chunk - t), (0, 0), (0, 0), (0, 0)))
-        q_MBCKGD = jnp.moveaxis(q_pad.reshape(b, m, query_chunk, *q_BTKGD.shape[2:]), 1, 0)
-        step = jax.checkpoint(lambda xs: body(xs[0], k_cmp, v_cmp, xs[1]))
-        o_M, lse_M = jax.lax.map(step, (q_MBCKGD, jnp.arange(m, dtype=jnp.int32) * query_chunk))
-        o_BTKGD = jnp.moveaxis(o_M, 0, 1).reshape(b, m * query_chunk, *q_BTKGD.shape[2:])
-        lse_BTKG = jnp.moveaxis(lse_M, 0, 1).reshape(b, m * query_chunk, *q_BTKGD.shape[2:4])
-    return finish(o_BTKGD, lse_BTKG, q, return_lse)
+    """NSA's compressed branch alone: [B,T,H,D] in q's dtype (and lse [B,T,H] float32), the
+    same program as in :func:`nsa_attention` without the selection."""
+    o_BTHD, lse_BTH, _ = _compressed_and_choice(q, k_cmp, v_cmp, block=block_size, top=0, query_chunk=query_chunk)
+    o_BTHD = o_BTHD.astype(q.dtype)
+    return (o_BTHD, lse_BTH) if return_lse else o_BTHD
 
 
-def _window_chunk(q_BKGCD: Array, k_BKLD: Array, v_BKLD: Array, query_start, *, window: int):
-    """Queries query_start + [0, C) (pre-scaled) against keys query_start - W + [0, C + W)."""
-    pos_C = query_start + jnp.arange(q_BKGCD.shape[3])
-    key_L = query_start - window + jnp.arange(k_BKLD.shape[2])
-    band_CL = (key_L[None, :] <= pos_C[:, None]) & (key_L[None, :] >= jnp.maximum(pos_C[:, None] - window, 0))
-    s_BKGCL = jnp.einsum("bkgcd,bkld->bkgcl", q_BKGCD, k_BKLD, preferred_element_type=stats_dtype(q_BKGCD))
-    p_BKGCL, _ = masked_softmax(s_BKGCL, band_CL)
-    return jnp.einsum("bkgcl,bkld->bkgcd", p_BKGCL, v_BKLD.astype(p_BKGCL.dtype))
+def _band_mask(start, rows: int, chunk: int, keys: int, window: int) -> Array:
+    """[rows, keys]: row r is the query at start + r % chunk (rows are G groups of a chunk), key j
+    the position start - W + j; visible iff within the window and a real position (>= 0)."""
+    r_R1 = (jnp.arange(rows) % chunk)[:, None]
+    j_1L = jnp.arange(keys)[None, :]
+    return (j_1L >= r_R1) & (j_1L <= r_R1 + window) & (j_1L >= window - start)
+
+
+def _window_forward(q_MBKRD: Array, k_BKPD: Array, v_BKPD: Array, window: int, chunk: int) -> tuple[Array, Array]:
+    """Output [M,B,K,R,D] float32 and lse [M,B,K,R] of pre-scaled query chunks (R = G x C rows)
+    against keys padded with W zero rows in front (key p at row p + W)."""
+    f32 = stats_dtype(q_MBKRD)
+
+    def step(xs):
+        q_BKRD, start = xs
+        k_BKLD, v_BKLD = (jax.lax.dynamic_slice_in_dim(x, start, chunk + window, axis=2) for x in (k_BKPD, v_BKPD))
+        s_BKRL = jnp.einsum("bkrd,bkld->bkrl", q_BKRD, k_BKLD, preferred_element_type=f32)
+        s_BKRL = jnp.where(_band_mask(start, s_BKRL.shape[2], chunk, s_BKRL.shape[3], window), s_BKRL, -jnp.inf)
+        m_BKR = jnp.max(s_BKRL, axis=-1)  # every query sees itself: finite
+        p_BKRL = jnp.exp(s_BKRL - m_BKR[..., None])
+        l_BKR = jnp.sum(p_BKRL, axis=-1)
+        return jnp.einsum("bkrl,bkld->bkrd", p_BKRL, v_BKLD.astype(f32)) / l_BKR[..., None], m_BKR + jnp.log(l_BKR)
+
+    return jax.lax.map(step, (q_MBKRD, jnp.arange(q_MBKRD.shape[0], dtype=jnp.int32) * chunk))
+
+
+def _window_fwd(q_MBKRD, k_BKPD, v_BKPD, window, chunk):
+    o_MBKRD, lse_MBKR = _window_forward(q_MBKRD, k_BKPD, v_BKPD, window, chunk)
+    return o_MBKRD, (q_MBKRD, k_BKPD, v_BKPD, o_MBKRD, lse_MBKR)
+
+
+def _window_bwd(window, chunk, residuals, do_MBKRD):
+    """Flash attention's backward per chunk (p recomputed from the lse); each chunk's dk, dv
+    added into the C + W rows it read."""
+    q_MBKRD, k_BKPD, v_BKPD, o_MBKRD, lse_MBKR = residuals
+    f32 = stats_dtype(q_MBKRD)
+    delta_MBKR = jnp.sum(do_MBKRD * o_MBKRD, axis=-1)
+    keys = chunk + window
+
+    def step(carry, xs):
+        dk_BKPD, dv_BKPD = carry
+        q_BKRD, do_BKRD, lse_BKR, delta_BKR, start = xs
+        k_BKLD, v_BKLD = (jax.lax.dynamic_slice_in_dim(x, start, keys, axis=2).astype(f32) for x in (k_BKPD, v_BKPD))
+        s_BKRL = jnp.einsum("bkrd,bkld->bkrl", q_BKRD, k_BKLD, preferred_element_type=f32)
+        p_BKRL = jnp.where(_band_mask(start, s_BKRL.shape[2], chunk, keys, window), jnp.exp(s_BKRL - lse_BKR[..., None]), 0.0)
+        ds_BKRL = p_BKRL * (jnp.einsum("bkrd,bkld->bkrl", do_BKRD, v_BKLD) - delta_BKR[..., None])
+        dq_BKRD = jnp.einsum("bkrl,bkld->bkrd", ds_BKRL, k_BKLD)
+        add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(acc, jax.lax.dynamic_slice_in_dim(acc, start, keys, axis=2) + x, start, axis=2)
+        dk_BKPD = add(dk_BKPD, jnp.einsum("bkrl,bkrd->bkld", ds_BKRL, q_BKRD.astype(f32)))
+        dv_BKPD = add(dv_BKPD, jnp.einsum("bkrl,bkrd->bkld", p_BKRL, do_BKRD))
+        return (dk_BKPD, dv_BKPD), dq_BKRD
+
+    zeros = jnp.zeros(k_BKPD.shape, f32)
+    starts_M = jnp.arange(q_MBKRD.shape[0], dtype=jnp.int32) * chunk
+    (dk_BKPD, dv_BKPD), dq_MBKRD = jax.lax.scan(step, (zeros, zeros), (q_MBKRD, do_MBKRD, lse_MBKR, delta_MBKR, starts_M))
+    return dq_MBKRD.astype(q_MBKRD.dtype), dk_BKPD.astype(k_BKPD.dtype), dv_BKPD.astype(v_BKPD.dtype)
+
+
+def _window_out(q_MBKRD, k_BKPD, v_BKPD, window, chunk):
+    return _window_forward(q_MBKRD, k_BKPD, v_BKPD, window, chunk)[0]
+
+
+_window = jax.custom_vjp(_window_out, nondiff_argnums=(3, 4))
+_window.defvjp(_window_fwd, _window_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "query_chunk"))
-def window_attention_xla(q: Array, k: Array, v: Array, *, window: int, query_chunk: int = QUERY_CHUNK):
+def window_attention_xla(q: Array, k: Array, v: Array, *, window: int, query_chunk: int = WINDOW_CHUNK):
     """NSA's window branch alone: query i attends keys i - W .. i (W = ``window``) [B,T,H,D].
 
-    A dense band in chunks of ``query_chunk`` queries (``lax.map``, rematerialised), each against
-    the C + W keys that reach it: about (C + W) / (W + 1) times the band's work, in plain matmuls
-    (several times faster on CPU than ``offset_attention`` with W + 1 distances)."""
+    Flash attention's arithmetic (``jax.custom_vjp``: the forward keeps the output and lse, the
+    backward recomputes p) over a dense band: chunks of ``query_chunk`` queries (``lax.map``),
+    each against the C + W keys that reach it, so the work is (C + W) / (W + 1) times the band's."""
     b, t, h, d = q.shape
     kh = k.shape[2]
     c = min(query_chunk, t)
     m = -(-t // c)
     q_BKGTD = jnp.transpose(group_queries(jnp.pad(q, ((0, 0), (0, m * c - t), (0, 0), (0, 0))), kh), (0, 2, 3, 1, 4))
+    q_MBKRD = jnp.moveaxis(q_BKGTD.reshape(b, kh, h // kh, m, c, d), 3, 0).reshape(m, b, kh, -1, d)
     # key p at row p + W: the rows before position 0 are zeros the band never reaches
-    k_BKLD, v_BKLD = (jnp.transpose(jnp.pad(x, ((0, 0), (window, m * c - t), (0, 0), (0, 0))), (0, 2, 1, 3)) for x in (k, v))
-    body = functools.partial(_window_chunk, window=window)
-    if m == 1:
-        o_BKGTD = body(q_BKGTD, k_BKLD, v_BKLD, 0)
-    else:
-        q_MBKGCD = jnp.moveaxis(q_BKGTD.reshape(*q_BKGTD.shape[:3], m, c, d), 3, 0)
-
-        def step(xs):
-            q_BKGCD, start = xs
-            k_BKLD_, v_BKLD_ = (jax.lax.dynamic_slice_in_dim(x, start, c + window, axis=2) for x in (k_BKLD, v_BKLD))
-            return body(q_BKGCD, k_BKLD_, v_BKLD_, start)
-
-        o_M = jax.lax.map(jax.checkpoint(step), (q_MBKGCD, jnp.arange(m, dtype=jnp.int32) * c))
-        o_BKGTD = jnp.moveaxis(o_M, 0, 3).reshape(*q_BKGTD.shape)
+    k_BKPD, v_BKPD = (jnp.transpose(jnp.pad(x, ((0, 0), (window, m * c - t), (0, 0), (0, 0))), (0, 2, 1, 3)) for x in (k, v))
+    o_MBKRD = _window(q_MBKRD, k_BKPD, v_BKPD, window, c)
+    o_BKGTD = jnp.moveaxis(o_MBKRD.reshape(m, b, kh, h // kh, c, d), 0, 3).reshape(b, kh, h // kh, m * c, d)
     return jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, d).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "return_lse", "query_chunk"))
+@functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "window", "return_lse", "query_chunk", "window_chunk"))
 def nsa_attention_xla(
     q: Array,
     k: Array,
@@ -139,15 +196,18 @@ def nsa_attention_xla(
     window: int,
     return_lse: bool = False,
     query_chunk: int = QUERY_CHUNK,
+    window_chunk: int = WINDOW_CHUNK,
 ):
     """The XLA program behind :func:`nsa_attention` (no argument checks): three branches, each in
-    q's dtype, mixed in float32."""
-    o_cmp = compressed_attention_xla(q, k_cmp, v_cmp, block_size=block_size, query_chunk=query_chunk)
-    o_slc, lse_slc = block_sparse_attention_xla(
-        q, k, v, block_size=block_size, num_blocks=num_blocks, return_lse=True, query_chunk=query_chunk, block_rank="nsa_prob", rank_keys=k_cmp
-    )
-    o_win = window_attention_xla(q, k, v, window=window, query_chunk=query_chunk)
+    q's dtype, mixed in float32. ``query_chunk``: queries per step of the compressed branch and
+    the choice (one softmax serves both); ``window_chunk``: of the window band."""
+    top = block_sparse.num_earlier_blocks(q.shape[1], block_size, num_blocks)
+    o_cmp, _, idx_BKTS = _compressed_and_choice(q, k_cmp, v_cmp, block=block_size, top=top, query_chunk=query_chunk)
+    tiles = dict(pair_tile=block_grouped.TILE, tile_chunk=block_grouped.CHUNK)
+    o_slc, lse_slc = block_sparse.attend_blocks(q, k, v, idx_BKTS, block_size=block_size, return_lse=True, **tiles)
+    o_win = window_attention_xla(q, k, v, window=window, query_chunk=window_chunk)
     g_BTH3 = gates.astype(jnp.float32)
+    o_cmp = o_cmp.astype(q.dtype)  # as the other branches
     out_BTHD = sum(g_BTH3[..., i, None] * o.astype(jnp.float32) for i, o in enumerate((o_cmp, o_slc, o_win)))
     out_BTHD = out_BTHD.astype(q.dtype)
     return (out_BTHD, lse_slc) if return_lse else out_BTHD
