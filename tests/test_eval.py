@@ -15,7 +15,7 @@ from fibjax.eval.perplexity import EvalError, scored_tokens, windows
 from fibjax.train.checkpoint import CheckpointError
 from fibjax.train.loop import train
 from fibjax.train.step import cross_entropy
-from tests.test_train_loop import TINY
+from tests.helpers import TINY
 
 
 @pytest.fixture(scope="module")

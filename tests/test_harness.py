@@ -27,7 +27,7 @@ from fibjax.data.prepare import EMBEDDED_VAL_FRACTION  # noqa: E402
 from fibjax.data.sources import embedded_documents, is_held_out  # noqa: E402
 from fibjax.eval import harness  # noqa: E402
 from fibjax.eval.perplexity import evaluate_lengths  # noqa: E402
-from tests.test_train_loop import ROOT, TINY, data_dir  # noqa: E402, F401  (data_dir: the shared data fixture)
+from tests.helpers import ROOT, TINY  # noqa: E402
 from tests.tiers import slow  # noqa: E402
 
 # a continuation's loglikelihood (a few tokens, float32), batched and padded vs one unpadded row at
@@ -39,7 +39,7 @@ RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, data_dir):  # noqa: F811
+def run_dir(tmp_path_factory, data_dir):
     from launch.train import main
 
     workdir = tmp_path_factory.mktemp("runs") / "tiny"

@@ -14,7 +14,7 @@ from fibjax.eval import passkey
 from fibjax.eval.perplexity import EvalError
 from fibjax.model import Transformer
 from launch import passkey as passkey_cli
-from tests.test_train_loop import TINY
+from tests.helpers import TINY
 
 
 @pytest.fixture(scope="module")
