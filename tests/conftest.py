@@ -51,8 +51,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """The embedded corpus prepared at the tiny model's vocabulary, once per test module (a test
-    may damage its copy)."""
+    """The embedded corpus prepared at the tiny model's vocabulary (tests.helpers.TINY_VOCAB),
+    once per test module, as each module had it before it moved here."""
     from fibjax.data import prepare_default
     from tests.helpers import TINY_VOCAB
 
