@@ -49,6 +49,18 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller (or a run without 
     _trim_cache(CACHE_DIR)
 
 
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The embedded corpus prepared at the tiny model's vocabulary (tests.helpers.TINY_VOCAB),
+    once per test module, as each module had it before it moved here."""
+    from fibjax.data import prepare_default
+    from tests.helpers import TINY_VOCAB
+
+    out = tmp_path_factory.mktemp("data") / "embedded"
+    prepare_default(out, vocab_size=TINY_VOCAB)
+    return out
+
+
 @pytest.fixture(scope="session")
 def manual_documents() -> list[str]:
     """Real English text every clone has: Python's reference manual (the embedded corpus) cut

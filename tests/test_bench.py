@@ -7,6 +7,7 @@ import pytest
 
 from fibjax.bench.timing import Measurement, ratio
 from launch import bench
+from tests.helpers import TINY_MODEL
 
 
 def test_attention_bench_interleaves_rounds_and_prints_ratios(capsys):
@@ -64,7 +65,7 @@ def test_kernel_check_passes_what_agrees_and_fails_what_does_not(monkeypatch, ca
 
 def test_train_bench_names_the_devices_each_config_ran_on(capsys):
     # 8 simulated devices (conftest); the override caps the mesh at 2, which the row must say
-    tiny = ["model.d_model=32", "model.num_layers=1", "seq_len=32", "global_batch=2"]
+    tiny = [*TINY_MODEL, "model.num_layers=1", "seq_len=32", "global_batch=2"]  # one layer, 2 rows: a short step
     assert bench.main(["train", "--configs", "configs/cpu/dense.py", "--steps", "1", "mesh.devices=2", *tiny]) == 0
     out = capsys.readouterr().out
     assert "available devices=8" in out

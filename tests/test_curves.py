@@ -8,7 +8,7 @@ import pytest
 from fibjax import data as data_lib
 from fibjax.config import ConfigError, EvalConfig
 from fibjax.train.metrics import read_metrics
-from tests.test_train_loop import data_dir, train_main  # noqa: F401 (data_dir is a fixture)
+from tests.helpers import train_main
 
 
 def direct_nll(workdir, tokens_NT1) -> float:
@@ -23,7 +23,7 @@ def direct_nll(workdir, tokens_NT1) -> float:
     return float(cross_entropy(model(tokens_NT1[:, :-1]), tokens_NT1[:, 1:]))
 
 
-def test_the_4x_curve_is_the_nll_of_4x_windows_at_that_step(tmp_path, data_dir, capsys):  # noqa: F811
+def test_the_4x_curve_is_the_nll_of_4x_windows_at_that_step(tmp_path, data_dir, capsys):
     # seq_len 32: 4x windows of 129 tokens, 384 long-curve tokens = 3 windows in one batch of 3 rows
     rc, out = train_main(capsys, tmp_path / "run", data_dir, "steps=4", "eval.every_steps=2", "eval.curve_multipliers=1,4", "eval.curve_long_tokens=384")
     assert rc == 0, out

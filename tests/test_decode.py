@@ -209,8 +209,22 @@ def cli(capsys, *argv):
 
 
 def test_sample_streams_a_continuation(run_dir, capsys, tmp_path):
-    rc, out, err = cli(capsys, "--workdir", run_dir, "--prompt", "The for statement", "--max-new-tokens", 12, "--top-k", 40, "--seed", 3)
-    assert rc == 0 and out.startswith("The for statement") and len(out) > len("The for statement") and "step 2" in err
+    """With --greedy, the prompt and then the text of 12 tokens of greedy decoding computed here
+    with full forwards, no cache (one padded length: the model is causal); sampled with --top-k,
+    a continuation of the prompt."""
+    prompt, new = "The for statement", 12
+    rc, out, err = cli(capsys, "--workdir", run_dir, "--prompt", prompt, "--max-new-tokens", new, "--greedy", "--ignore-eos")
+    assert rc == 0 and "step 2" in err
+    loaded = run_lib.load(run_dir)
+    tok, forward = loaded.tokenizer, nnx.jit(lambda m, x: m(x))
+    ids = tok.encode(prompt)
+    total = len(ids) + new
+    while len(ids) < total:
+        logits = forward(loaded.model, jnp.asarray([ids + [0] * (total - len(ids))]))
+        ids.append(int(jnp.argmax(logits[0, len(ids) - 1, : tok.vocab_size])))
+    assert out == prompt + tok.decode(ids)[len(tok.decode(ids[:-new])) :] + "\n", (out, ids)
+    rc, out, err = cli(capsys, "--workdir", run_dir, "--prompt", prompt, "--max-new-tokens", new, "--top-k", 40, "--seed", 3)
+    assert rc == 0 and out.startswith(prompt) and len(out) > len(prompt) and "step 2" in err
 
 
 def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):

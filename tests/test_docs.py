@@ -16,9 +16,9 @@ import pytest
 
 from fibjax import config as config_module
 from fibjax import config_reference
+from tests.helpers import ROOT
 from tests.tiers import slow
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
 

@@ -16,7 +16,7 @@ from fibjax.run import load as run_load
 from fibjax.run.workdir import CheckpointError
 from fibjax.train.loop import train
 from fibjax.train.step import cross_entropy
-from tests.test_train_loop import TINY
+from tests.helpers import TINY
 
 
 @pytest.fixture(scope="module")

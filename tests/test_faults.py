@@ -31,21 +31,8 @@ from fibjax.run.workdir import CheckpointError
 from fibjax.train import metrics as metrics_lib
 from fibjax.train.loop import train
 from fibjax.train.metrics import MetricsError, MetricsWriter, read_metrics
-from tests.test_train_loop import ROOT, TINY, data_dir, train_cmd, train_main  # noqa: F401  (data_dir: the shared data fixture)
+from tests.helpers import ROOT, TINY, assert_one_error, losses, train_cmd, train_main
 from tests.tiers import slow
-
-
-def error_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if line.startswith("error:")]
-
-
-def assert_one_error(rc: int, out: str, *fragments: str) -> str:
-    """Exit 2, exactly one ``error:`` line holding every fragment, and no traceback."""
-    errors = error_lines(out)
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out
-    for fragment in fragments:
-        assert fragment in errors[0], (fragment, out)
-    return errors[0]
 
 
 def saved_steps(workdir) -> list[int]:
@@ -74,7 +61,7 @@ def small_disk(tmp_path):
 # 1. metrics.jsonl
 
 
-def test_a_torn_last_metrics_line_is_dropped_with_a_warning_on_resume(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_on_resume(tmp_path, data_dir, capsys):
     rc, out = train_main(capsys, tmp_path / "run", data_dir, "steps=2", "checkpoint.every_steps=2")
     assert rc == 0, out
     with (tmp_path / "run" / "metrics.jsonl").open("a") as f:
@@ -145,7 +132,7 @@ def fill_disk(directory, leave_kib: int) -> None:
 
 
 @slow
-def test_a_full_disk_stops_training_at_once_with_one_line_and_keeps_the_last_checkpoint(small_disk, data_dir):  # noqa: F811
+def test_a_full_disk_stops_training_at_once_with_one_line_and_keeps_the_last_checkpoint(small_disk, data_dir):
     """Once step 300 is saved, the disk is filled but for 200 KiB: room for the metrics, not for
     a checkpoint (~600 KiB). The run stops within a few steps of the
     failed save of step 600, not at the next save (900), with one line naming the path and the
@@ -189,7 +176,7 @@ def flip_bytes(step_dir):
     target.write_bytes(bytes(data))
 
 
-def test_changed_checkpoint_bytes_are_refused_and_resume_step_continues_from_the_previous(tmp_path, data_dir, capsys):  # noqa: F811
+def test_changed_checkpoint_bytes_are_refused_and_resume_step_continues_from_the_previous(tmp_path, data_dir, capsys):
     from launch.eval import main as eval_main
 
     workdir = tmp_path / "run"
@@ -251,7 +238,7 @@ def test_a_checkpoint_saved_with_earlier_parameter_names_restores(tmp_path):
         ckpt.close()
 
 
-def test_token_ids_out_of_range_are_refused_before_the_workdir_is_claimed(tmp_path, data_dir, capsys):  # noqa: F811
+def test_token_ids_out_of_range_are_refused_before_the_workdir_is_claimed(tmp_path, data_dir, capsys):
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
     meta = json.loads((bad / "meta.json").read_text())
@@ -267,7 +254,7 @@ def test_token_ids_out_of_range_are_refused_before_the_workdir_is_claimed(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_dir):  # noqa: F811
+def finished_run(tmp_path_factory, data_dir):
     workdir = tmp_path_factory.mktemp("finished") / "run"
     train(apply_overrides(TrainConfig(), [*TINY, "steps=2", f"data.path={data_dir}", "eval.max_tokens=512"]), workdir, progress=False)
     return workdir
@@ -309,7 +296,7 @@ def test_a_report_is_never_replaced_by_a_non_finite_or_half_written_one(finished
 # 6. and 7. refused starts claim nothing; steps on resume; a finished run
 
 
-def test_a_refused_first_start_leaves_no_config_so_the_corrected_command_runs(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_refused_first_start_leaves_no_config_so_the_corrected_command_runs(tmp_path, data_dir, capsys):
     rc, out = train_main(capsys, tmp_path / "run", data_dir, "steps=2", "model.vocab_size=300")
     assert_one_error(rc, out, "model.vocab_size: 300 is smaller than the tokenizer's vocabulary (384)")
     assert not (tmp_path / "run" / "config.json").exists()
@@ -326,7 +313,7 @@ def test_the_embedded_corpus_vocabulary_is_checked_before_the_workdir_is_claimed
     assert not (tmp_path / "run").exists()
 
 
-def test_steps_below_the_saved_step_is_refused_and_a_change_of_steps_warns(tmp_path, data_dir, capsys):  # noqa: F811
+def test_steps_below_the_saved_step_is_refused_and_a_change_of_steps_warns(tmp_path, data_dir, capsys):
     workdir = tmp_path / "run"
     rc, out = train_main(capsys, workdir, data_dir, "steps=4", "checkpoint.every_steps=2")
     assert rc == 0, out
@@ -338,7 +325,7 @@ def test_steps_below_the_saved_step_is_refused_and_a_change_of_steps_warns(tmp_p
     assert rc == 0 and "warning: steps changed from 4 to 6" in out and "schedule" in out, out
 
 
-def test_a_finished_run_is_one_fast_line_that_points_at_its_evaluation(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_finished_run_is_one_fast_line_that_points_at_its_evaluation(tmp_path, data_dir, capsys):
     workdir = tmp_path / "run"
     rc, out = train_main(capsys, workdir, data_dir, "steps=2", "eval.max_tokens=512")
     assert rc == 0, out
@@ -432,13 +419,11 @@ def unverified(workdir) -> list[int]:
 
 
 @slow
-def test_a_kill_while_checksums_are_written_leaves_no_unverified_step(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_kill_while_checksums_are_written_leaves_no_unverified_step(tmp_path, data_dir, capsys):
     """Killed while step 4's checksums are written, a run resumes from step 2 (step 4 was never
     committed) and ends bit-identical to an uninterrupted run. In the old gap, step 4 was
     committed without checksums; with one changed byte it was restored silently (final loss
     5.709050 instead of 5.706367 in the issue): the byte is changed here wherever such a step is."""
-    from tests.test_train_loop import TINY, losses
-
     args = ("steps=6", "checkpoint.every_steps=2")
     rc, out = train_main(capsys, tmp_path / "straight", data_dir, *args)
     assert rc == 0, out
@@ -454,7 +439,7 @@ def test_a_kill_while_checksums_are_written_leaves_no_unverified_step(tmp_path, 
     assert unverified(workdir) == [] and saved_steps(workdir) == [4, 6]  # the tiny config keeps 2
 
 
-def test_a_step_without_checksums_counts_as_unfinished_and_the_run_falls_back_saying_so(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_step_without_checksums_counts_as_unfinished_and_the_run_falls_back_saying_so(tmp_path, data_dir, capsys):
     """A committed step without checksums (saved before they existed, or by another writer) is
     never restored: training resumes from the previous step and sets the unverified one aside,
     evaluation takes the previous step; both say so."""
@@ -479,7 +464,7 @@ def snapshot(directory) -> dict:
     return {str(p.relative_to(directory)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_a_failed_resume_changes_nothing_on_disk(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_failed_resume_changes_nothing_on_disk(tmp_path, data_dir, capsys):
     """steps=50 on a run whose newest step is damaged: refused (exit 2), and config.json still says
     steps=4, so the next resume does not warn that steps changed from 50 (it did: the config was
     rewritten before the restore failed)."""

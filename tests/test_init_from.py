@@ -17,12 +17,11 @@ from fibjax.run.workdir import CheckpointError
 from fibjax.train import init_from
 from fibjax.train.metrics import read_metrics
 from fibjax.train.step import build
-from tests.test_faults import assert_one_error, train_main
-from tests.test_train_loop import ROOT, TINY, data_dir  # noqa: F401  (data_dir: the shared data fixture)
+from tests.helpers import ROOT, TINY, assert_one_error, train_main
 
 
 @pytest.fixture(scope="module")
-def source_run(tmp_path_factory, data_dir):  # noqa: F811
+def source_run(tmp_path_factory, data_dir):
     from launch.train import main
 
     workdir = tmp_path_factory.mktemp("runs") / "source"
@@ -41,7 +40,7 @@ def test_parse_spec():
         init_from.parse("runs/a:latest")
 
 
-def test_initial_state_holds_exactly_the_source_parameters(source_run, data_dir):  # noqa: F811
+def test_initial_state_holds_exactly_the_source_parameters(source_run, data_dir):
     cfg = cfg_with(data_dir, f"init_from={source_run}:3", "seq_len=64", "model.rope_theta=40000.0", "steps=4")
     source = init_from.locate(cfg)
     assert source.step == 3
@@ -59,7 +58,7 @@ def test_initial_state_holds_exactly_the_source_parameters(source_run, data_dir)
     assert "seq_len: 32 -> 64" in init_from.check_compatible(source.cfg, cfg, "src")
 
 
-def test_continued_run_starts_where_the_source_ended(tmp_path, source_run, data_dir, capsys):  # noqa: F811
+def test_continued_run_starts_where_the_source_ended(tmp_path, source_run, data_dir, capsys):
     rc, out = train_main(capsys, tmp_path / "fresh", data_dir, "steps=2", "seq_len=64")
     assert rc == 0, out
     rc, out = train_main(capsys, tmp_path / "continued", data_dir, "steps=2", "seq_len=64", f"init_from={source_run}")
@@ -75,7 +74,7 @@ def test_continued_run_starts_where_the_source_ended(tmp_path, source_run, data_
     assert rc == 0 and "initialised from" not in out, out
 
 
-def test_learned_alpha_starts_from_its_schedule(tmp_path, source_run, data_dir, capsys):  # noqa: F811
+def test_learned_alpha_starts_from_its_schedule(tmp_path, source_run, data_dir, capsys):
     rc, out = train_main(
         capsys,
         tmp_path / "learned",
@@ -91,13 +90,13 @@ def test_learned_alpha_starts_from_its_schedule(tmp_path, source_run, data_dir, 
 
 
 @pytest.mark.parametrize("override, fragment", [("model.d_model=48", "model.d_model: 32 in"), ("model.num_layers=3", "model.num_layers: 2 in")])
-def test_shape_changes_are_refused_before_anything_is_written(tmp_path, source_run, data_dir, capsys, override, fragment):  # noqa: F811
+def test_shape_changes_are_refused_before_anything_is_written(tmp_path, source_run, data_dir, capsys, override, fragment):
     rc, out = train_main(capsys, tmp_path / "new", data_dir, "steps=2", f"init_from={source_run}", override)
     assert_one_error(rc, out, "init_from", fragment)
     assert not (tmp_path / "new").exists()
 
 
-def test_missing_source_or_step(tmp_path, source_run, data_dir, capsys):  # noqa: F811
+def test_missing_source_or_step(tmp_path, source_run, data_dir, capsys):
     rc, out = train_main(capsys, tmp_path / "a", data_dir, f"init_from={tmp_path / 'nowhere'}")
     assert_one_error(rc, out, "not a run directory")
     rc, out = train_main(capsys, tmp_path / "b", data_dir, f"init_from={source_run}:5")

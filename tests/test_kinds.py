@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +14,7 @@ from flax import nnx
 from fibjax import kinds
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, TrainConfig, apply_overrides
 from fibjax.kinds.base import ALWAYS, KV, AttentionKind, LayerPlan, as_output, own_and_cached, read, ring_rows, write_rows
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT, TINY
 
 
 class RecentWindow(AttentionKind):
@@ -55,21 +53,6 @@ def toy():
     kind = kinds.register(RecentWindow())
     yield kind
     kinds.unregister(kind.name)
-
-
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.vocab_size=384",
-    "data.default_vocab_size=384",
-    "seq_len=32",
-    "global_batch=8",
-    "optim.warmup_steps=2",
-    "mesh.devices=1",
-    "eval.at_end=false",
-]
 
 
 def test_a_kind_registered_in_a_test_trains_evaluates_and_decodes(toy, tmp_path):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from launch.__main__ import entry_points
-from tests.test_train_loop import ROOT, TINY
+from tests.helpers import ROOT, TINY
 
 # lm-eval's own parser: its options and their help are lm-eval's, not this project's
 FOREIGN_PARSERS = {"harness"}

@@ -14,8 +14,7 @@ import time
 import pytest
 
 from fibjax.run.lock import LOCK_FILE, WorkdirInUse, WorkdirLock
-from tests.test_faults import assert_one_error
-from tests.test_train_loop import ROOT, data_dir, train_cmd, train_main  # noqa: F401  (data_dir: the shared data fixture)
+from tests.helpers import ROOT, assert_one_error, train_cmd, train_main
 from tests.tiers import slow
 
 HOLD = "import sys, time; from fibjax.run.lock import WorkdirLock; WorkdirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
@@ -88,7 +87,7 @@ def test_without_flock_the_file_is_the_lock_and_a_dead_holder_on_this_host_is_st
         alive.wait()
 
 
-def test_a_start_on_a_held_workdir_is_one_error_line_and_writes_nothing(tmp_path, data_dir, capsys):  # noqa: F811
+def test_a_start_on_a_held_workdir_is_one_error_line_and_writes_nothing(tmp_path, data_dir, capsys):
     workdir = tmp_path / "run"
     proc = holder(workdir)
     try:
@@ -103,7 +102,7 @@ def test_a_start_on_a_held_workdir_is_one_error_line_and_writes_nothing(tmp_path
 
 
 @slow
-def test_two_runs_on_one_workdir_the_second_is_refused_and_the_first_loses_nothing(tmp_path, data_dir, capsys):  # noqa: F811
+def test_two_runs_on_one_workdir_the_second_is_refused_and_the_first_loses_nothing(tmp_path, data_dir, capsys):
     """Before the lock, two resumes a second apart: one said "finished at step 40" while
     metrics.jsonl ended at step 21. Now the second start is refused at once; the first trains on
     to its end; after a SIGKILL of a run, the next start takes the workdir over."""

@@ -20,12 +20,10 @@ import numpy as np
 import pytest
 
 from fibjax import distributed
-from fibjax.data import prepare_default
 from fibjax.train.metrics import read_metrics
-from tests.test_train_loop import TINY
+from tests.helpers import ROOT, TINY
 from tests.tiers import slow
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "launch" / "local_multiprocess.sh"
 HEARTBEAT_S = 10
 # A constant lr after warm-up (final_lr_ratio=1): a run of steps=1000 stopped at step k follows
@@ -37,13 +35,6 @@ PEER_DEATH_S = 5
 # Tolerance: float32; the 2-process step sums the loss and gradients across processes (gloo) in
 # another order than one process does. Measured: at most 1 ulp-scale differences (~8e-8 relative).
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "embedded"
-    prepare_default(out, vocab_size=384)
-    return out
 
 
 def free_port() -> int:

@@ -22,6 +22,7 @@ from fibjax.config import AttentionConfig, ConfigError, ModelConfig, SSAConfig, 
 from fibjax.model import SSAStreams, Transformer
 from tests import block_oracle as bo
 from tests import oracle
+from tests.helpers import TINY_SPARSE
 from tests.tiers import first_fast, slow
 
 KEY = jax.random.PRNGKey(0)
@@ -267,44 +268,18 @@ def test_ssa_two_streams_with_an_nsa_sparse_stream():
         assert len(jax.tree.leaves(sown)) == 2
 
 
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    from fibjax import data as data_lib
-
-    out = tmp_path_factory.mktemp("nsa_data") / "embedded"
-    data_lib.prepare_default(out, vocab_size=384)
-    return out
-
-
-SMALL = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.vocab_size=384",
-    "seq_len=64",
-    "global_batch=8",
-    "steps=20",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=3",
-    "model.attention.block_size=8",
-    "model.attention.num_blocks=2",
-    "model.attention.window=7",
-    "eval.at_end=false",
-    "checkpoint.every_steps=20",
-    "mesh.data=-1",
-]
+SMALL = [*TINY_SPARSE, "steps=20", "checkpoint.every_steps=20", "model.attention.window=7"]
 
 
 @slow
 @pytest.mark.parametrize("method", ["nsa", "ssa_nsa"])
-def test_short_cpu_runs_learn(method, embedded, tmp_path):
+def test_short_cpu_runs_learn(method, data_dir, tmp_path):
     from fibjax.train.loop import train
     from fibjax.train.metrics import read_metrics
 
     cfg = load_config_file("configs/ssa/cpu_nsa.py")
     extra = ["model.attention.kind=dense", "model.attention.nsa_params=true", "ssa.enabled=true", "ssa.sparse_kind=nsa"] if method == "ssa_nsa" else []
-    cfg = apply_overrides(cfg, [*SMALL, *extra, f"data.path={embedded}", "data.weights="])
+    cfg = apply_overrides(cfg, [*SMALL, *extra, f"data.path={data_dir}", "data.weights="])
     result = train(cfg, tmp_path / method, progress=False)
     assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 0.5
     rows = read_metrics(tmp_path / method)

@@ -14,7 +14,7 @@ from fibjax.eval import passkey
 from fibjax.eval.perplexity import EvalError
 from fibjax.model import Transformer
 from launch import passkey as passkey_cli
-from tests.test_train_loop import TINY
+from tests.helpers import TINY
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +90,24 @@ def test_oracle_scores_one_and_random_scores_zero(tok):
 
 @pytest.mark.parametrize("attention", [dict(kind="dense"), dict(kind="offset", window=3, alpha="staggered")])
 def test_runs_on_fibjax_models(tok, attention):
+    """On a fibjax model (the jitted path every evaluation takes, 3 trials in batches of 2, so
+    one padded), every cell's keys, answers, exact matches and token accuracy are those computed
+    here from the model's own forward: argmax at each answer position against the answer."""
+    import jax.numpy as jnp
+
     from fibjax.config import AttentionConfig
 
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, attention=AttentionConfig(**attention))
-    params = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    result = passkey.passkey_grid(cfg, params, tok, [100, 128], [0.0, 1.0], trials=3, seed=0)
-    assert result["mean_accuracy"] < 0.5 and len(result["cells"]) == 4  # an untrained model does not retrieve
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    result = passkey.passkey_grid(cfg, nnx.state(model, nnx.Param), tok, [100, 128], [0.0, 1.0], trials=3, seed=0, batch_size=2)
+    assert [(c["length"], c["depth"]) for c in result["cells"]] == [(100, 0.0), (100, 1.0), (128, 0.0), (128, 1.0)]
+    for cell in result["cells"]:
+        prompts = [passkey.build_prompt(tok, cell["length"], cell["depth"], *passkey.random_trial(0, cell["length"], cell["depth"], i)) for i in range(3)]
+        predicted = np.asarray(jnp.argmax(model(jnp.asarray(np.stack([p.tokens[:-1] for p in prompts]))), axis=-1))
+        answers = [pred[p.answer_start - 1 : len(p.tokens) - 1] for p, pred in zip(prompts, predicted)]
+        hits = [answer == p.tokens[p.answer_start :] for answer, p in zip(answers, prompts)]
+        assert cell["keys"] == [p.key for p in prompts] and cell["answers"] == [tok.decode(answer) for answer in answers]
+        assert cell["correct"] == sum(h.all() for h in hits) and cell["token_accuracy"] == pytest.approx(np.mean([h.mean() for h in hits]))
 
 
 def test_outputs_are_written(tok, tmp_path):

@@ -12,7 +12,7 @@ from fibjax import sharding
 from fibjax.config import apply_overrides, load_config_file
 from fibjax.model import Transformer
 from fibjax.plan import make_plan
-from tests.test_train_loop import ROOT, TINY
+from tests.helpers import ROOT, TINY
 
 
 def tiny(*overrides):

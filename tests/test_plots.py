@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from fibjax.eval import passkey, plots
 from fibjax.eval import report as rep
-from tests.test_report import fake_run, rows_for
+from tests.helpers import fake_run, inside_the_figure, rows_for
 
 
 @pytest.fixture
@@ -19,13 +19,6 @@ def drawn(monkeypatch):
     save = plots._save
     monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
     return figures
-
-
-def inside_the_figure(fig: Figure) -> list[str]:
-    """The titles (the figure's, every panel's) that run past the figure's edges."""
-    fig.draw_without_rendering()
-    texts = [*fig.texts, *(ax.title for ax in fig.axes if ax.get_visible())]
-    return [t.get_text() for t in texts if t.get_text() and not (-1 <= t.get_window_extent().x0 and t.get_window_extent().x1 <= fig.bbox.width + 1)]
 
 
 def test_a_half_percent_change_in_perplexity_stays_small_on_the_axis(tmp_path, drawn):

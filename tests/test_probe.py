@@ -17,6 +17,7 @@ from fibjax.probe.cell import CellSpec, run_cell
 from fibjax.probe.tasks import Band, DistanceSampler, Vocab, bigram_starts, forced_choice_correct, marked_batch, marked_correct, retrieval_batch
 from fibjax.train import step
 from launch import probe as probe_cli
+from tests.helpers import inside_the_figure
 from tests.tiers import slow
 
 VOCAB = Vocab(filler=40, keys=12, values=12)
@@ -252,7 +253,6 @@ def test_the_smoke_report_says_what_covers_its_band_and_describes_only_its_colum
     import shutil
 
     from fibjax.eval import plots
-    from tests.test_plots import inside_the_figure
 
     out, _ = smoke_cell
     shutil.copytree(out / "smoke", tmp_path / "smoke")  # the smoke cell alone (other tests add cells to ``out``)

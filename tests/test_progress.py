@@ -7,10 +7,10 @@ import re
 from fibjax.config import TrainConfig, apply_overrides, load_config_file
 from fibjax.train.loop import train
 from fibjax.train.metrics import RISE_NATS, fit_summary, read_metrics
-from tests.test_train_loop import ROOT, TINY, data_dir  # noqa: F401  (data_dir: the module's prepared corpus)
+from tests.helpers import ROOT, TINY
 
 
-def test_the_bar_starts_after_compiling_ends_once_and_shows_validation(tmp_path, data_dir, capsys):  # noqa: F811
+def test_the_bar_starts_after_compiling_ends_once_and_shows_validation(tmp_path, data_dir, capsys):
     cfg = apply_overrides(TrainConfig(), [*TINY, "steps=6", "log_every=3", "eval.every_steps=3", f"data.path={data_dir}"])
     train(cfg, tmp_path / "run", progress=True)
     out, err = capsys.readouterr()

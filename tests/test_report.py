@@ -3,7 +3,6 @@ end-to-end report on two tiny trained runs."""
 
 import csv
 import json
-import math
 
 import numpy as np
 import pytest
@@ -11,60 +10,14 @@ from matplotlib.image import imread
 
 from fibjax.eval import report as rep
 from launch import report as launch_report
+from tests.helpers import ATTN, STAGGER_BINS, TINY_RUN, fake_run, rows_for
 from tests.tiers import slow
 
-# The paper's length table (FineWeb, T = 1024 / 2048 / 4096) and posloss row (fixed minus stagger, W=8).
+# Inputs for the fake runs, taken from the paper's length table (FineWeb, T = 1024 / 2048 / 4096)
+# and posloss row (fixed minus stagger, W=8) so the tables look like the paper's.
 STAGGER_PPL = [42.02, 41.65, 41.45]
 DENSE_PPL = [33.37, 49.15, 100.36]
 PAPER_GAP = [0.023, 0.039, 0.033, 0.040, 0.033, 0.044, 0.037, 0.037]
-STAGGER_BINS = [3.9, 3.8, 3.75, 3.72, 3.7, 3.69, 3.68, 3.67]
-# A two-layer model of the tiny config that trains in seconds (for end-to-end tests of commands).
-TINY_RUN = (
-    "seq_len=32",
-    "global_batch=8",
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "data.default_vocab_size=384",
-    "model.vocab_size=384",
-    "mesh.devices=1",  # as tests.test_train_loop.TINY: one device compiles faster
-)
-ATTN = {
-    "kind": "offset",
-    "window": 8,
-    "base": "fibonacci",
-    "alpha": "staggered",
-    "learn_alpha": False,
-    "block_size": 16,
-    "num_blocks": 16,
-    "implementation": None,
-}
-
-
-def rows_for(ppls, bins=STAGGER_BINS, train_len=1024, tokens=8192):
-    return [{"length": train_len * 2**i, "tokens": tokens, "nll": math.log(p), "ppl": p, "bin_nll": list(bins)} for i, p in enumerate(ppls)]
-
-
-def fake_run(root, name, *, datasets, attention=None, alphas=(0.5, 1.0, 1.5), step=100, train_len=1024, metrics=True, tag=""):
-    """A run directory with RUN/eval/<step>[-tag].json and metrics.jsonl, as the trainer writes them."""
-    workdir = root / name
-    (workdir / "eval").mkdir(parents=True, exist_ok=True)
-    report = {
-        "run": name,
-        "step": step,
-        "train_seq_len": train_len,
-        "lengths": [r["length"] for r in next(iter(datasets.values()))],
-        "attention": attention or ATTN,
-        "attention_override": bool(tag),
-        "alphas": list(alphas),
-        "datasets": datasets,
-    }
-    (workdir / "eval" / f"{step}{'-' + tag if tag else ''}.json").write_text(json.dumps(report))
-    if metrics:
-        loss = 8.0 * np.exp(-np.arange(1, step + 1) / 40) + 3.5 + 0.05 * np.sin(np.arange(step))
-        (workdir / "metrics.jsonl").write_text("".join(json.dumps({"step": s + 1, "loss": float(v), "lr": 1e-3}) + "\n" for s, v in enumerate(loss)))
-    return workdir
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +64,27 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_tables_match_the_paper_numbers(built):
+def test_tables_show_each_runs_numbers_and_compute_changes_and_gaps(runs, built):
+    """The tables and CSVs against the fake runs' eval JSONs (inputs shaped like the paper's
+    numbers): spot checks of the formatting, then every extrapolation row and every position gap
+    recomputed here from the JSONs."""
     report, out = built
     tables = {t.name: t for t in report.tables}
+    evals = {path.name: json.loads((path / "eval" / "100.json").read_text()) for path in runs}
+    extrap_rows = read_csv(out / "extrap.csv")
+    assert len(extrap_rows) == sum(len(rows) for e in evals.values() for rows in e["datasets"].values())
+    for r in extrap_rows:
+        rows = evals[r["run"]]["datasets"][r["dataset"]]
+        i = [x["length"] for x in rows].index(int(r["length"]))
+        assert (float(r["nll"]), float(r["ppl"]), int(r["tokens"])) == (rows[i]["nll"], rows[i]["ppl"], rows[i]["tokens"])
+        assert float(r["multiplier"]) == rows[i]["length"] / 1024
+        assert float(r["change_vs_first_pct"]) == pytest.approx(100 * (rows[i]["ppl"] / rows[0]["ppl"] - 1))
+    ref = evals["fib_stagger"]["datasets"]
+    gap_rows = {(r[0], r[1]): r[3:] for r in tables["posloss"].rows if r[2] == "minus fib_stagger"}
+    assert set(gap_rows) == {(run, d) for run in ("dense", "fib_fixed", "fib_learned") for d in evals[run]["datasets"]}
+    for (run, d), cells in gap_rows.items():
+        row, base = evals[run]["datasets"][d][0], ref[d][0]
+        assert cells == [f"{a - b:+.3f}" for a, b in zip(row["bin_nll"], base["bin_nll"])] + [f"{row['nll'] - base['nll']:+.3f}"], (run, d)
 
     matrix = {r[0]: r for r in tables["matrix"].rows}
     assert not any("same tokens" in n for n in tables["matrix"].notes)  # the fake runs all scored 8,192 tokens

@@ -8,14 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fibjax import data as data_lib
 from fibjax.config import AttentionConfig, ModelConfig, apply_overrides
 from fibjax.model import SSAStreams, Transformer, ssa_alignment
 from fibjax.recipes import ssa_cpu, ssa_paper
 from fibjax.train import step
 from fibjax.train.loop import train
 from fibjax.train.metrics import read_metrics
-from tests.test_train_step import EIGHT, check_sharded_as_the_rules_say, lower_on_eight_devices
+from tests.helpers import EIGHT, TINY_SPARSE, check_sharded_as_the_rules_say, lower_on_eight_devices
 from tests.tiers import first_fast
 
 
@@ -67,35 +66,12 @@ def test_two_stream_layers_pass_on_only_the_chosen_stream(sparse_kind):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ssa_data") / "embedded"
-    data_lib.prepare_default(out, vocab_size=384)
-    return out
-
-
-SMALL = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.vocab_size=384",
-    "seq_len=64",
-    "global_batch=8",
-    "steps=30",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=3",
-    "model.attention.block_size=8",
-    "model.attention.num_blocks=2",
-    "eval.at_end=false",
-    "checkpoint.every_steps=30",
-    "mesh.data=-1",
-]
+SMALL = [*TINY_SPARSE, "steps=30", "checkpoint.every_steps=30"]
 
 
 @pytest.mark.parametrize("method", first_fast(["ssa", "fullattn", "moba", "ssa_fib"]))
-def test_short_cpu_runs_learn_and_log_alignment(method, embedded, tmp_path):
-    cfg = apply_overrides(ssa_cpu(method), [*SMALL, f"data.path={embedded}", "data.weights="])
+def test_short_cpu_runs_learn_and_log_alignment(method, data_dir, tmp_path):
+    cfg = apply_overrides(ssa_cpu(method), [*SMALL, f"data.path={data_dir}", "data.weights="])
     result = train(cfg, tmp_path / method, progress=False)
     assert np.mean(result.losses[-5:]) < np.mean(result.losses[:5]) - 0.5
     rows = read_metrics(tmp_path / method)
@@ -107,8 +83,8 @@ def test_short_cpu_runs_learn_and_log_alignment(method, embedded, tmp_path):
         assert not any("align" in r for r in rows)
 
 
-def test_stream_choice_is_reproducible(embedded, tmp_path):
-    cfg = apply_overrides(ssa_cpu("ssa"), [*SMALL, "steps=6", f"data.path={embedded}", "data.weights="])
+def test_stream_choice_is_reproducible(data_dir, tmp_path):
+    cfg = apply_overrides(ssa_cpu("ssa"), [*SMALL, "steps=6", f"data.path={data_dir}", "data.weights="])
     train(cfg, tmp_path / "a", progress=False)
     train(cfg, tmp_path / "b", progress=False)
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")

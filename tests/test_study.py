@@ -12,10 +12,9 @@ import pytest
 
 from fibjax.config import ConfigError
 from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, write_results
-from tests.test_report import ATTN, TINY_RUN, rows_for
+from tests.helpers import ATTN, ROOT, TINY_RUN, rows_for
 from tests.tiers import slow
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "tiny.py")
 
 

@@ -7,68 +7,16 @@ run). The tiny model trains on a small prepared dataset shared by the tests of t
 
 import gzip
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fibjax.data import prepare_default
 from fibjax.train.metrics import read_metrics
+from tests.helpers import TINY, losses, train_cmd, train_main
 from tests.tiers import slow
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.vocab_size=384",
-    "seq_len=32",
-    "global_batch=8",
-    "eval.at_end=false",
-    # no validation curve (configs/tiny.py draws one every 20 steps) unless a test asks for it
-    "eval.every_steps=0",
-    "optim.warmup_steps=2",
-    "log_every=1",
-    # one of the 8 simulated devices: a tiny run sharded 8 ways spends its time compiling (4 s more per
-    # run, cold); tests of the sharded loop say mesh.devices=0 (every device)
-    "mesh.devices=1",
-]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "embedded"
-    prepare_default(out, vocab_size=384)
-    return out
-
-
-def train_cmd(workdir, data_dir, *overrides, env=None, wait=True):
-    cmd = [sys.executable, "-m", "launch.train", "--workdir", str(workdir), "--no-progress", *TINY, f"data.path={data_dir}", *overrides]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=300)
-    return proc.returncode, out
-
-
-def train_main(capsys, workdir, data, *overrides) -> tuple[int, str]:
-    """``python -m launch.train`` in this process (no interpreter start and JAX import per run):
-    its exit code and everything it printed."""
-    from launch.train import main
-
-    rc = main(["--workdir", str(workdir), "--no-progress", *TINY, f"data.path={data}", *overrides])
-    captured = capsys.readouterr()
-    return rc, captured.out + captured.err
-
-
-def losses(workdir):
-    return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 
 
 def test_exact_resume_after_sigkill(tmp_path, data_dir, capsys):

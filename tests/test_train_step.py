@@ -1,7 +1,6 @@
 """The sharded train step, the optimizer, and the paper-size step lowered on 8 simulated devices for GPU/TPU."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from fibjax.model import Transformer, alpha_mask
 from fibjax.recipes import MATRIX, attention, paper
 from fibjax.train import step
 from fibjax.train.optimizer import decay_mask, lr_schedule
+from tests.helpers import EIGHT, check_sharded_as_the_rules_say, lower_on_eight_devices
 from tests.tiers import first_fast
 
 
@@ -107,68 +107,6 @@ def test_recipes_cover_the_paper_matrix():
     assert attention("pow2_fixed_w8").base == "pow2"
     with pytest.raises(ValueError, match="unknown model name"):
         attention("fib_sorted_w3")
-
-
-EIGHT = MeshConfig(data=2, fsdp=2, tensor=2)
-# The logical rules (fibjax/sharding.py) as they should land: mesh axes per dimension of
-# each parameter, by name (all dimensions of the shapes used here divide by 2).
-EXPECTED_AXES = {
-    "embedding": ("tensor", "fsdp"),  # [vocab, embed]
-    **dict.fromkeys(("q_proj", "k_proj", "v_proj", "gate", "up"), ("fsdp", "tensor")),  # [embed, heads | kv_heads | mlp]
-    **dict.fromkeys(("o_proj", "down"), ("tensor", "fsdp")),  # [heads | mlp, embed]
-    "attn_norm": ("fsdp",),
-    "mlp_norm": ("fsdp",),
-    "final_norm": ("fsdp",),
-}
-
-
-def lowered_args(lowered) -> list[tuple[tuple[tuple[str, ...], ...], bool]]:
-    """(mesh axes of each dimension, donated) of each argument of the lowered program, read from
-    its text (Shardy annotations): what the compiler gets, whatever the Python side meant."""
-    signature = re.search(r"@main\((.*?)\) ->", lowered.as_text(), re.S)[1]
-    out = []
-    for arg in signature.split("%arg")[1:]:
-        dims = re.search(r"sdy\.sharding<@mesh, \[(.*?)\]>", arg)[1]
-        out.append((tuple(tuple(re.findall(r'"(\w+)"', d)) for d in re.findall(r"\{(.*?)\}", dims)), "tf.aliasing_output" in arg))
-    return out
-
-
-def check_sharded_as_the_rules_say(trainer, lowered, batch) -> None:
-    """Parameters and their Adam moments are sharded by the rules, everything else in the state
-    is replicated, the batch is split over data x fsdp, every state buffer is donated into its
-    update (aliasing needs equal input and output shardings), and the loss is a float32 scalar."""
-    leaves = jax.tree_util.tree_flatten_with_path((trainer.abstract_state, batch))[0]
-    args = lowered_args(lowered)
-    assert len(args) == len(leaves)
-    checked = 0
-    for (path, x), (axes, donated) in zip(leaves, args):
-        where = jax.tree_util.keystr(path)
-        if path == (jax.tree_util.SequenceKey(1),):
-            assert axes == (("data", "fsdp"), ()) and not donated
-            continue
-        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-        if {"params", "mu", "nu"} & set(keys):
-            name = next(k for k in reversed(keys) if k in EXPECTED_AXES)
-            assert axes == tuple((a,) for a in EXPECTED_AXES[name]), (where, axes)
-            checked += 1
-        else:
-            assert axes == ((),) * x.ndim, (where, axes)
-        assert donated, where
-    assert checked == 3 * len(jax.tree.leaves(trainer.abstract_state["params"]))
-    loss = lowered.out_info[1]["loss"]
-    assert loss.shape == () and loss.dtype == jnp.float32
-
-
-def lower_on_eight_devices(cfg: TrainConfig, platform: str | None = None):
-    """The train step for ``cfg`` on the 8 simulated devices, lowered from abstract state (nothing
-    allocated) for ``platform`` (None: this CPU, to compile)."""
-    assert len(jax.devices()) == 8, "tests/conftest.py asks for 8 simulated CPU devices"
-    mesh = sharding.make_mesh(cfg.mesh)
-    trainer = step.build(cfg, mesh)
-    batch = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
-    with jax.set_mesh(mesh):
-        lowered = trainer.step.trace(trainer.abstract_state, batch).lower(lowering_platforms=(platform,) if platform else None)
-    return trainer, lowered, batch
 
 
 @pytest.mark.parametrize("platform", first_fast(["cuda", "tpu"]))

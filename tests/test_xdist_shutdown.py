@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from tests.test_train_loop import ROOT
+from tests.helpers import ROOT
 
 LATE_SIGINT = """
 import os, signal, time
