@@ -173,6 +173,16 @@ def test_dispatch(monkeypatch):
 LOWERINGS = {"tpu": ("mosaic_tpu", "@tpu_custom_call"), "cuda": ("triton", "@__gpu$xla.gpu.triton")}
 
 
+def assert_three_kernels(text: str, marker: str, platform: str, name: str) -> None:
+    """A lowered training step holds exactly three kernels, NAME_fwd, NAME_dq and NAME_dkdv; on
+    cuda the Triton lowering with explicit compiler parameters (not Mosaic GPU)."""
+    assert text.count(marker) == 3
+    if platform == "cuda":
+        assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
+    for kernel in (f"{name}_fwd", f"{name}_dq", f"{name}_dkdv"):
+        assert kernel in text
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("path", ["static", "learned"])
 @pytest.mark.parametrize("platform", sorted(LOWERINGS))
@@ -190,11 +200,7 @@ def test_forward_and_backward_lower_without_hardware(platform, path, dtype):
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, t, 8, 64), (2, t, 2, 64), (2, t, 2, 64))] + [jax.ShapeDtypeStruct((), F32)]
     text = jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) == 3
-    if platform == "cuda":  # the Triton lowering, with explicit compiler parameters (not Mosaic GPU)
-        assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
-    for kernel in ("offset_attention_fwd", "offset_attention_dq", "offset_attention_dkdv"):
-        assert kernel in text
+    assert_three_kernels(text, marker, platform, "offset_attention")
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -210,8 +216,4 @@ def test_block_sparse_kernels_lower_without_hardware(platform, dtype):
 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, 512, 8, 64), (2, 512, 2, 64), (2, 512, 2, 64))]
     text = jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-    assert text.count(marker) == 3
-    if platform == "cuda":  # the Triton lowering, with explicit compiler parameters (not Mosaic GPU)
-        assert text.count("num_warps = 4 : i32") == 3 and text.count("num_stages = 2 : i32") == 3
-    for kernel in ("block_sparse_attention_fwd", "block_sparse_attention_dq", "block_sparse_attention_dkdv"):
-        assert kernel in text
+    assert_three_kernels(text, marker, platform, "block_sparse_attention")
