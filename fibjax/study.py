@@ -31,6 +31,7 @@ from pathlib import Path
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
 from fibjax.errors import FibjaxError
 from fibjax.eval.paired import Comparison
+from fibjax.run.curves import curve_values
 
 # Tokens per second assumed for a run when the study has measured none: dense_seed43 trained at
 # 2.66k tokens/s on an idle 2-core machine (BUILD_NOTES, "The CPU study").
@@ -445,7 +446,7 @@ def write_results(study: Study, say=print) -> Path | None:
             evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))
             entry["evals"] = {p.name: _summary_of(json.loads(p.read_text())) for p in evals}
             rows = _metrics(run_dir)
-            entry["val_curve"] = [r_ for r_ in rows if any(k.startswith("val/") for k in r_)]
+            entry["val_curve"] = [r_ for r_ in rows if curve_values(r_)]
             entry["train_curve"] = [{k: r_[k] for k in ("step", "loss", "ce") if k in r_} for r_ in rows if "loss" in r_ and r_["step"] % 10 == 0]
         summary["runs"][r.name] = entry
     path = out / "study.json"

@@ -59,3 +59,16 @@ def test_the_long_curve_plot_shows_the_perplexity_change_against_tokens(tmp_path
     assert plots.plot_long_curves([run], tmp_path / "long.png", plots.run_styles(["r"])) and (tmp_path / "long.png").stat().st_size > 0
     no_curve = SimpleNamespace(label="r", workdir=tmp_path, metrics=metrics[:1])
     assert not plots.plot_long_curves([no_curve], tmp_path / "none.png", plots.run_styles(["r"]))
+
+
+def test_curve_keys_round_trip_and_other_keys_are_not_curves():
+    from fibjax.run.curves import curve_key, curve_values, multipliers, parse_curve_key
+
+    for m, source in [(1, "fineweb"), (4, "fineweb"), (16, "fineweb_edu")]:
+        assert parse_curve_key(curve_key(m, source)) == (m, source)
+    assert curve_key(1, "a") == "val/a" and curve_key(4, "a") == "val_4x/a"  # the metrics.jsonl format
+    for other in ("loss", "val", "val/", "val_x/a", "val_4/a", "valid/a", "val_4x"):
+        assert parse_curve_key(other) is None, other
+    row = {"step": 3, "loss": 2.0, "val/a": 4.0, "val/b": 5.0, "val_4x/a": 4.5}
+    assert curve_values(row) == {"a": 4.0, "b": 5.0} and curve_values(row, 4) == {"a": 4.5}
+    assert multipliers([row, {"val_2x/b": 1.0}]) == [2, 4]

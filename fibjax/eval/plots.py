@@ -19,6 +19,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
+from fibjax.run.curves import curve_key, curve_values, multipliers
+
 # Okabe & Ito (2008), yellow last: it is hard to see on white.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -298,7 +300,7 @@ def _loss_curve(run, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def _val_curve(run) -> tuple[np.ndarray, np.ndarray]:
     """The validation curve logged during training (``eval.every_steps``): the mean NLL over the
     run's validation sources at each step it was measured (empty arrays when none was)."""
-    rows = [[v for k, v in m.items() if k.startswith("val/")] for m in run.metrics]
+    rows = [list(curve_values(m).values()) for m in run.metrics]
     points = [(m["step"], float(np.mean(v))) for m, v in zip(run.metrics, rows, strict=True) if v]
     return np.array([p[0] for p in points]), np.array([p[1] for p in points])
 
@@ -362,18 +364,18 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
 def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     """The validation curves logged during training (``eval.every_steps``), a panel per dataset."""
     runs = _one_per_workdir(runs)
-    names = sorted({k[4:] for r in runs for m in r.metrics for k in m if k.startswith("val/")})
+    names = sorted({name for r in runs for m in r.metrics for name in curve_values(m)})
     if not names:
         return False
     fig, axes = _dataset_panels(len(names))
     for ax, name in zip(axes.flat, names):
         for r in runs:
-            rows = [m for m in r.metrics if f"val/{name}" in m]
+            rows = [m for m in r.metrics if curve_key(1, name) in m]
             if rows:
                 s = styles[r.label]
                 ax.plot(
                     [m["step"] for m in rows],
-                    [m[f"val/{name}"] for m in rows],
+                    [m[curve_key(1, name)] for m in rows],
                     color=s.color,
                     marker=s.marker,
                     linestyle=s.linestyle,
@@ -389,13 +391,13 @@ def plot_val_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
 def _long_curve(run, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens seen, % change of perplexity at ``multiplier`` x the training length against 1x),
     the NLLs averaged over the validation sources logged at both lengths."""
-    prefix = f"val_{multiplier}x/"
     points = []
     for m in run.metrics:
-        sources = [k[len(prefix) :] for k in m if k.startswith(prefix) and f"val/{k[len(prefix) :]}" in m]
-        if sources and "tokens" in m:
-            gap = np.mean([m[prefix + s] - m[f"val/{s}"] for s in sources])
-            points.append((m["tokens"], 100 * float(np.expm1(gap))))
+        short, long = curve_values(m), curve_values(m, multiplier)
+        if sources := [s for s in long if s in short]:
+            if "tokens" in m:
+                gap = np.mean([long[s] - short[s] for s in sources])
+                points.append((m["tokens"], 100 * float(np.expm1(gap))))
     return np.array([p[0] for p in points]), np.array([p[1] for p in points])
 
 
@@ -403,7 +405,7 @@ def plot_long_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     """The validation curve beyond the training length (``eval.curve_multipliers``): how much
     worse the perplexity is at m x the training length than at 1x, against tokens seen."""
     runs = _one_per_workdir(runs)
-    mults = sorted({int(k[4 : k.index("x/")]) for r in runs for m in r.metrics for k in m if k.startswith("val_") and "x/" in k})
+    mults = multipliers([m for r in runs for m in r.metrics])
     if not mults:
         return False
     fig, axes = _dataset_panels(len(mults))

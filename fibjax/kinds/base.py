@@ -20,7 +20,7 @@ or prompt, H query heads, K KV heads, G = H/K, E head dim, M cache rows, S atten
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,11 @@ import numpy as np
 from fibjax.attention.common import group_queries, masked_softmax, stats_dtype
 from fibjax.errors import FibjaxError
 
-if TYPE_CHECKING:
-    from fibjax.config import AttentionConfig, ModelConfig
-
 Array = jax.Array
+# A kind reads the frozen ``fibjax.config.AttentionConfig`` (``acfg``) and ``ModelConfig`` (``cfg``)
+# by their fields, without importing them: the config asks the registry about kinds when it
+# validates, so an import here, even for types only, would tie the two modules in a circle.
+AttentionConfig = ModelConfig = Any
 
 
 class DecodeUnavailable(FibjaxError, NotImplementedError):

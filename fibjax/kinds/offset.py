@@ -17,6 +17,7 @@ import numpy as np
 
 from fibjax import attention as attn_lib
 from fibjax.attention import offsets
+from fibjax.kinds import registry
 from fibjax.kinds.base import ALWAYS, KV, AttentionKind, LayerPlan, as_output, own_and_cached, read, ring_cache, ring_rows, row_bytes, write_rows
 
 
@@ -31,9 +32,7 @@ class Offset(AttentionKind):
     has_alpha = True
 
     def resolve(self, acfg):
-        from fibjax.kinds.interpolated import INTERPOLATED
-
-        return INTERPOLATED if self.learns_alpha(acfg) or acfg.interpolate else self
+        return registry.variant("interpolated") if self.learns_alpha(acfg) or acfg.interpolate else self
 
     def label(self, acfg) -> str:
         alpha = acfg.alpha if isinstance(acfg.alpha, str) else "explicit"

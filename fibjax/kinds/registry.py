@@ -23,6 +23,8 @@ _BUILTIN = {
     "block_sparse": "fibjax.kinds.block_sparse:BLOCK_SPARSE",
     "nsa": "fibjax.kinds.nsa:NSA_KIND",
 }
+# variants a registered kind hands a config to (``resolve``); not names a config may give
+_VARIANTS = {"interpolated": "fibjax.kinds.interpolated:INTERPOLATED"}
 _KINDS: dict[str, AttentionKind] = {}
 
 # --inference-mode full: every key (the kind SSA's full stream runs)
@@ -52,14 +54,25 @@ def names() -> tuple[str, ...]:
     return tuple(dict.fromkeys((*_BUILTIN, *_KINDS)))
 
 
+def _load(path: str) -> AttentionKind:
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def get(name: str) -> AttentionKind:
     """The kind registered as ``name`` (KeyError naming the known kinds otherwise)."""
     if name not in _KINDS:
         if name not in _BUILTIN:
             raise KeyError(f"unknown attention kind {name!r}; known: {', '.join(names())}")
-        module, attr = _BUILTIN[name].split(":")
-        _KINDS[name] = getattr(importlib.import_module(module), attr)
+        _KINDS[name] = _load(_BUILTIN[name])
     return _KINDS[name]
+
+
+def variant(name: str) -> AttentionKind:
+    """A built-in variant that a kind's ``resolve`` hands a config to (``interpolated``: offsets with
+    learned or interpolated alpha). Looked up here so that a kind and its variant, which subclasses
+    it, do not import each other."""
+    return _load(_VARIANTS[name])
 
 
 def kind_of(acfg) -> AttentionKind:

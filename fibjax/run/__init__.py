@@ -7,6 +7,7 @@ RUN/data/                    the embedded corpus, prepared here when data.path i
 RUN/fibjax.lock              held by the run training in it                        lock.py
 RUN/checkpoints/<step>/      Orbax state + data-iterator position + checksums      checkpoints.py, integrity.py
 RUN/checkpoints.set_aside/   the steps after a --resume-step (kept, not deleted)   checkpoints.py
+RUN/metrics.jsonl            a row per step and per validation (its curve keys)     curves.py
 ```
 
 ``load.py`` loads a run's parameters and tokenizer for evaluation and decoding. Training

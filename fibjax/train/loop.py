@@ -34,6 +34,7 @@ from fibjax.data import DataError
 from fibjax.data.token_files import META_FILE, check_token_ids, free_space, open_tokens
 from fibjax.errors import FibjaxError
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+from fibjax.run.curves import curve_key, curve_values
 from fibjax.run.failures import disk_full
 from fibjax.run.integrity import finished_steps
 from fibjax.run.lock import WorkdirLock
@@ -169,12 +170,6 @@ class _Preemption:
         from jax.experimental import multihost_utils
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
-
-
-def curve_key(multiplier: int, source: str) -> str:
-    """The metrics key of a validation-curve point: val/<source> at the training length,
-    val_<m>x/<source> at m times it."""
-    return f"val/{source}" if multiplier == 1 else f"val_{multiplier}x/{source}"
 
 
 def validation_batches(cfg: TrainConfig, data_dir: Path, batch_shards: int) -> dict[str, np.ndarray]:
@@ -331,7 +326,7 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
         }
         writer.write(step, {**scalars, "tokens": step * cfg.global_batch * cfg.seq_len})  # tokens seen: the x of curves across runs
         # the bar shows the mean over the validation sources at the training length
-        shown["val"] = f"{np.mean([v for k, v in scalars.items() if k.startswith('val/')]):.4f}"
+        shown["val"] = f"{np.mean(list(curve_values(scalars).values())):.4f}"
         bar.set_postfix(shown, refresh=False)
 
     def flush(pending):

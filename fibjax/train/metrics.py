@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 
 from fibjax.errors import FibjaxError
+from fibjax.run.curves import curve_values
 
 METRICS_FILE = "metrics.jsonl"
 # A validation NLL this far above its best is overfitting, not noise: the curve scores the same
@@ -145,7 +146,7 @@ def fit_summary(rows: list[dict], *, last: int) -> str | None:
     of the last ``last`` rows), the latest validation NLL (mean over the validation sources), the
     gap between them, and whether the validation NLL has risen from its best: the sign that the
     model is memorising its training text. None when the run logged no validation curve."""
-    val_rows = [(r["step"], {k[4:]: v for k, v in r.items() if k.startswith("val/")}) for r in rows]
+    val_rows = [(r["step"], curve_values(r)) for r in rows]
     val_rows = [(step, nll) for step, nll in val_rows if nll]
     train = [r.get("ce", r["loss"]) for r in rows if "loss" in r][-last:]  # an SSA run's "loss" adds its alignment term
     if not val_rows or not train:
