@@ -64,7 +64,8 @@ class AttentionConfig:
     # build NSA's parameters (gates, compression) though kind != nsa: SSA with ssa.sparse_kind=nsa,
     # whose model attention is the dense full stream
     nsa_params: bool = False
-    # None: XLA until the kernels pass their hardware check (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
+    # offset and block_sparse kinds: None is XLA until the kernels pass their hardware check
+    # (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
     implementation: str | None = None
 
     def __post_init__(self):

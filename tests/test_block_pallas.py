@@ -117,3 +117,29 @@ def test_shapes_a_compiler_rejects_are_named(backend, heads, head_dim, block, pr
     q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(0), 1, 64, heads, 2, head_dim)
     with pytest.raises(ValueError, match=problem):
         block_sparse_attention_pallas(q, k, v, block_size=block, num_blocks=2, backend=backend)
+
+
+def test_the_public_function_and_the_model_reach_the_kernels_with_implementation_pallas(monkeypatch):
+    """``implementation="pallas"`` (the function's argument, ``model.attention.implementation``)
+    runs the kernels, and the model's logits equal its XLA logits."""
+    from flax import nnx
+
+    from fibjax.attention import api
+    from fibjax.config import AttentionConfig, ModelConfig
+    from fibjax.model import Transformer
+
+    calls = []
+    kernel = api.block_sparse_attention_pallas
+    monkeypatch.setattr(api, "block_sparse_attention_pallas", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(3), 1, 24, 4, 2, 8, jnp.float32)
+    got = api.block_sparse_attention(q, k, v, block_size=4, num_blocks=2, implementation="pallas")
+    _close(got, api.block_sparse_attention(q, k, v, block_size=4, num_blocks=2, implementation="xla"), bo.TOL[jnp.float32])
+    assert len(calls) == 1 and calls[0]["block_size"] == 4 and calls[0]["num_blocks"] == 2
+
+    def logits(impl):
+        attention = AttentionConfig(kind="block_sparse", block_size=4, num_blocks=2, implementation=impl)
+        cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, attention=attention)
+        return Transformer(cfg, rngs=nnx.Rngs(0))(jnp.arange(20)[None] % 64)
+
+    _close(logits("pallas"), logits("xla"), bo.TOL[jnp.float32])
+    assert len(calls) == 3  # one call per layer

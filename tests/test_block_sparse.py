@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fibjax.attention import dense_attention
-from fibjax.attention.block_sparse import block_sparse_attention, block_sparse_attention_xla, dropped_mass, select_blocks
+from fibjax.attention import block_sparse_attention, dense_attention
+from fibjax.attention.block_sparse import block_sparse_attention_xla, dropped_mass, select_blocks
 from tests import block_oracle as bo
 from tests.tiers import slow
 

@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fibjax.attention import attended_distances, interpolated_attention, offset_attention
+from fibjax.attention import attended_distances, block_sparse_attention, interpolated_attention, offset_attention
 from fibjax.config import MeshConfig
 from fibjax.sharding import make_mesh
 from tests import oracle
@@ -59,3 +59,24 @@ def test_query_heads_split_over_the_tensor_axis_when_kv_heads_do_not_divide_it()
     for g, r in zip(jax.tree.leaves((got_grads, got_out)), jax.tree.leaves((ref_grads, ref_out))):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)
     assert got_out[0].sharding.spec == P("data", None, "tensor", None)  # query heads split, not replicated
+
+
+def test_block_sparse_kernels_keep_a_kv_heads_query_heads_together():
+    """Block-sparse attention chooses its blocks from the sum over a KV head's query heads, so
+    under a tensor axis that does not divide the KV heads it must not split a group (each shard
+    would choose from part of the sum): the sharded kernel equals the unsharded XLA path."""
+    mesh = make_mesh(MeshConfig(data=2, fsdp=1, tensor=4))
+    q, k, v = oracle.random_qkv(jax.random.PRNGKey(2), 2, 48, 8, 2, 8)
+
+    def loss(q, k, v, impl):
+        out, lse = block_sparse_attention(q, k, v, block_size=4, num_blocks=3, return_lse=True, implementation=impl)
+        return jnp.sum(out * out) + jnp.sum(jnp.sin(lse)), (out, lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    ref_grads, ref_out = grad(q, k, v, "xla")
+    with jax.set_mesh(mesh):
+        q_s = jax.device_put(q, NamedSharding(mesh, P("data", None, "tensor", None)))
+        kv_s = [jax.device_put(x, NamedSharding(mesh, P("data", None, None, None))) for x in (k, v)]
+        got_grads, got_out = jax.jit(lambda q, k, v: grad(q, k, v, "pallas"))(q_s, *kv_s)
+    for g, r in zip(jax.tree.leaves((got_grads, got_out)), jax.tree.leaves((ref_grads, ref_out))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-4, rtol=2e-4)

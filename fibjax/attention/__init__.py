@@ -21,7 +21,7 @@ _LAZY = {
     "dense_attention": "fibjax.attention.api",
     "interpolated_attention": "fibjax.attention.api",
     "offset_attention": "fibjax.attention.api",
-    "block_sparse_attention": "fibjax.attention.block_sparse",
+    "block_sparse_attention": "fibjax.attention.api",
     "dropped_mass": "fibjax.attention.block_sparse",
     "select_blocks": "fibjax.attention.block_sparse",
     "compress_blocks": "fibjax.attention.nsa",

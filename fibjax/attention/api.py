@@ -6,9 +6,10 @@ path is causal; the output has q's shape and dtype; softmax statistics are float
 ``return_lse=True`` a path returns ``(out, lse)``, lse [batch, seq, q_heads] float32, the
 log-sum-exp of the scaled scores over the keys the query attended (-inf if none).
 
-The offset paths take ``implementation``: ``"xla"`` (``offset_xla.py``), ``"pallas"``
-(``pallas/``: fused kernels; interpret mode on CPU, slow) or None, which picks XLA until the
-kernels have passed their hardware check on a platform (``pallas.backend.PALLAS_BY_DEFAULT``).
+The offset and block-sparse paths take ``implementation``: ``"xla"`` (``offset_xla.py``,
+``block_sparse.py``), ``"pallas"`` (``pallas/``: fused kernels; interpret mode on CPU, slow) or
+None, which picks XLA until the kernels have passed their hardware check on a platform
+(``pallas.backend.PALLAS_BY_DEFAULT``).
 Under a device mesh the kernels run per shard (``sharded.py``). Dense attention takes the
 platform's fused kernel by default (``fused.py``: cuDNN on GPU, JAX's Pallas flash on TPU).
 """
@@ -22,6 +23,7 @@ import numpy as np
 
 from fibjax.attention import offsets
 from fibjax.attention.alpha import ALPHA_MAX, ALPHA_MIN
+from fibjax.attention.block_sparse import block_sparse_attention_xla, check_budget
 from fibjax.attention.common import check_qkv
 from fibjax.attention.dense import dense_attention_xla
 from fibjax.attention.fused import dense_attention_fused
@@ -29,6 +31,7 @@ from fibjax.attention.offset_xla import frozen_interpolated_attention_xla, inter
 from fibjax.attention.pallas import backend as pallas_backend
 from fibjax.attention.pallas import interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.pallas.backend import IMPLEMENTATIONS
+from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.attention.sharded import per_shard
 
 Array = jax.Array
@@ -90,6 +93,28 @@ def interpolated_attention(
     if isinstance(alpha, float | int) and not isinstance(alpha, bool):
         return frozen_interpolated_attention_xla(q, k, v, window=window, base=base, alpha=float(alpha), return_lse=return_lse)
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
+
+
+def block_sparse_attention(
+    q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", return_lse: bool = False, implementation: str | None = None
+):
+    """Causal block-sparse attention: each query attends its own block (up to itself) and the
+    ``num_blocks - 1`` earlier blocks of ``block_size`` keys that rank highest by ``block_rank``
+    (``fibjax.attention.block_sparse``: the group-summed q . mean key, or NSA's group-summed
+    per-head softmax probability; ties to the lower block).
+
+    q [B,T,H,D], k/v [B,T,K,D] with RoPE applied; scale 1/sqrt(D); output in q's dtype, and
+    lse [B,T,H] float32 with ``return_lse=True``. ``num_blocks >= ceil(T / block_size)`` is
+    dense causal attention. ``implementation="pallas"``: the block-sparse kernels
+    (``pallas/block_ops.py``; the same choice of blocks, the same function).
+    """
+    check_qkv(q, k, v)
+    check_budget(block_size, num_blocks, block_rank)
+    budget = dict(block_size=int(block_size), num_blocks=int(num_blocks), block_rank=block_rank, return_lse=return_lse)
+    if pallas_backend.use_pallas(implementation):
+        kernel = lambda q, k, v: block_sparse_attention_pallas(q, k, v, **budget)  # noqa: E731
+        return per_shard(kernel, q, k, v, return_lse=return_lse, whole_groups=True)
+    return block_sparse_attention_xla(q, k, v, **budget)
 
 
 def _is_int(x) -> bool:

@@ -222,21 +222,6 @@ def check_rank_keys(rank_keys: Array, k: Array, block_size: int, name: str = "ra
         raise ValueError(f"{name} must be [batch, seq // block_size, kv_heads, head_dim] = {want}, got {rank_keys.shape}")
 
 
-def block_sparse_attention(q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", return_lse: bool = False):
-    """Causal block-sparse attention: each query attends its own block (up to itself) and the
-    ``num_blocks - 1`` earlier blocks of ``block_size`` keys that rank highest by ``block_rank``
-    (module docstring: the group-summed q . mean key, or NSA's group-summed per-head softmax
-    probability; ties to the lower block).
-
-    q [B,T,H,D], k/v [B,T,K,D] with RoPE applied; scale 1/sqrt(D); output in q's dtype, and
-    lse [B,T,H] float32 with ``return_lse=True``. ``num_blocks >= ceil(T / block_size)`` is
-    dense causal attention.
-    """
-    check_qkv(q, k, v)
-    check_budget(block_size, num_blocks, block_rank)
-    return block_sparse_attention_xla(q, k, v, block_size=int(block_size), num_blocks=int(num_blocks), return_lse=return_lse, block_rank=block_rank)
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "block_rank"))
 def _select_all(q: Array, k: Array, rank_keys: Array | None, *, block_size: int, num_blocks: int, block_rank: str) -> Array:
     t = q.shape[1]

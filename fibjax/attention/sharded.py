@@ -27,13 +27,15 @@ def batch_axes(mesh, batch: int) -> tuple[str, ...]:
     return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
-def per_shard(fn: Callable, q, k, v, *scalars, return_lse: bool):
+def per_shard(fn: Callable, q, k, v, *scalars, return_lse: bool, whole_groups: bool = False):
     """``fn(q, k, v, *scalars)`` on each shard of the active mesh (the call itself without one).
 
     ``scalars`` (e.g. a traced alpha) are replicated; q [B,T,H,D], k/v [B,T,K,D]. Heads split
     over the tensor axis: the KV heads when it divides them; else, with GQA, the query heads when
     each shard's query heads share one KV head (the shard takes that head's k/v: split query
-    heads, k/v replicated over the tensor axis); else nothing is split there (replicated work)."""
+    heads, k/v replicated over the tensor axis); else nothing is split there (replicated work).
+    ``whole_groups``: never split a KV head's query heads (block-sparse attention chooses its
+    blocks from the sum over the whole group)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return fn(q, k, v, *scalars)
@@ -42,7 +44,7 @@ def per_shard(fn: Callable, q, k, v, *scalars, return_lse: bool):
     q_head = kv_head = None
     if tensor > 1 and kh % tensor == 0:
         q_head = kv_head = HEAD_AXIS
-    elif tensor > 1 and h % tensor == 0 and (h // kh) % (h // tensor) == 0:
+    elif tensor > 1 and not whole_groups and h % tensor == 0 and (h // kh) % (h // tensor) == 0:
         q_head, fn = HEAD_AXIS, _own_kv_head(fn, h // tensor, h // kh)
     q_spec, kv_spec = P(batch or None, None, q_head, None), P(batch or None, None, kv_head, None)
     out_spec = (q_spec, P(batch or None, None, q_head)) if return_lse else q_spec

@@ -104,7 +104,14 @@ class BlockSparse(AttentionKind):
 
     def attend(self, attn, q_BTHE, k_BTKE, v_BTKE, acfg, *, x_BTD=None, return_lse=False):
         return attn_lib.block_sparse_attention(
-            q_BTHE, k_BTKE, v_BTKE, block_size=acfg.block_size, num_blocks=acfg.num_blocks, block_rank=acfg.block_rank, return_lse=return_lse
+            q_BTHE,
+            k_BTKE,
+            v_BTKE,
+            block_size=acfg.block_size,
+            num_blocks=acfg.num_blocks,
+            block_rank=acfg.block_rank,
+            return_lse=return_lse,
+            implementation=acfg.implementation,
         )
 
     def attended(self, acfg, alpha, seq_len):
