@@ -67,15 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated config files",
         default="configs/cpu/dense.py,configs/cpu/fib_stagger_w12.py,configs/cpu/fib_learned_w12.py,configs/cpu/pow2_stagger_w12.py",
     )
-    p.add_argument("--steps", type=int, default=10, help="timed steps per config")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per config per round")
+    p.add_argument("--rounds", type=int, default=1, help="time the configs in turn this many times (fair ratios on a shared machine)")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every config (anywhere among the flags)")
     args = parse_with_overrides(parser, argv)
     if args.what == "train":
         from fibjax.bench import train as train_bench
 
         # the devices a step uses are each config's mesh (mesh.devices), in the table
-        print(f"backend={jax.default_backend()} available devices={len(jax.devices())} steps={args.steps} overrides={args.overrides}", flush=True)
-        rows = [train_bench.measure_config(c, args.overrides, args.steps) for c in args.configs.split(",") if c]
+        if args.steps < 1 or args.rounds < 1:
+            parser.error(f"--steps and --rounds must be >= 1, got {args.steps}, {args.rounds}")
+        setup = f"steps={args.steps} rounds={args.rounds} overrides={args.overrides}"
+        print(f"backend={jax.default_backend()} available devices={len(jax.devices())} {setup}", flush=True)
+        rows = train_bench.measure([c for c in args.configs.split(",") if c], args.overrides, args.steps, args.rounds)
         print(train_bench.table(rows))
         return 0
     if args.what == "decode":

@@ -77,3 +77,16 @@ def test_attention_bench_times_the_block_sparse_kernel(capsys):
     """The Pallas block-sparse row (interpret mode here) and its ratio to the XLA path."""
     assert bench.main(["attention", "--seq", "64", "--paths", "block_sparse,block_sparse_pallas", "--repeats", "1", "--pallas-blocks", "32,32"]) == 0
     assert re.search(r"\| 64 \| block_sparse_pallas / block_sparse \| [\d.]+ \| [\d.]+ \|", capsys.readouterr().out)
+
+
+def test_train_bench_times_its_configs_in_rounds(monkeypatch, capsys):
+    """Every config is compiled before any is timed, then each round times every config in turn."""
+    from fibjax.bench import train as train_bench
+
+    order = []
+    timed = train_bench._Run.time
+    monkeypatch.setattr(train_bench._Run, "time", lambda self, steps: order.append((self.cfg.model.attention.kind, steps)) or timed(self, steps))
+    tiny = [*TINY_MODEL, "model.num_layers=1", "seq_len=32", "global_batch=2", "mesh.devices=1"]
+    assert bench.main(["train", "--configs", "configs/cpu/dense.py,configs/cpu/fib_stagger_w8.py", "--steps", "2", "--rounds", "2", *tiny]) == 0
+    assert order == [("dense", 1), ("offset", 1)] + [("dense", 2), ("offset", 2)] * 2  # compile steps, then the rounds
+    assert "rounds=2" in capsys.readouterr().out
