@@ -319,3 +319,33 @@ def test_ssa_with_an_nsa_stream_needs_its_parameters_and_budgets_apply_to_nsa():
     moba = Transformer(_tiny("block_sparse", block_rank="nsa_prob"), rngs=nnx.Rngs(0))
     nsa = Transformer(_tiny("nsa"), rngs=nnx.Rngs(0))
     assert plan_layers(moba, 64)[0].rank == "nsa_prob" and plan_layers(nsa, 64)[0].rank == "nsa_prob"
+
+
+@pytest.mark.parametrize("dtype", first_fast(DTYPES))
+def test_compressed_branch_lse_and_its_gradient_match_oracle(dtype):
+    """The compressed branch's own backward (p from the saved lse) through both outputs: the lse's
+    cotangent joins the softmax's (ds = p (dp - delta + dlse)). Queries before the end of block 0
+    see no block (out 0, lse -inf) and are left out of the comparison."""
+    block, t = 4, 90
+    q, _, _, kc, vc, _ = _inputs((1, t, 4, 2, 8, block, 3, 5), dtype)
+    w_out, w_lse = jax.random.normal(jax.random.PRNGKey(4), q.shape), jax.random.normal(jax.random.PRNGKey(5), q.shape[:3])
+    seen_T = jnp.arange(t) >= block - 1
+    past_TN = (jnp.arange(t // block)[None, :] + 1) * block - 1 <= jnp.arange(t)[:, None]
+
+    def loss(out, lse):
+        lse = jnp.where(seen_T[None, :, None], lse, 0.0)  # -inf where no block is seen
+        return jnp.sum(out.astype(jnp.float32) * w_out * seen_T[None, :, None, None]) + jnp.sum(lse * w_lse)
+
+    run = lambda *a: compressed_attention_xla(*a, block_size=block, query_chunk=8, return_lse=True)  # noqa: E731
+    # the oracle with a key allowed to the unseen rows (their NaN-free stand-in; weighted 0 above)
+    ref = lambda *a: oracle.masked_attention(*a, past_TN | ~seen_T[:, None])  # noqa: E731
+    out, lse = run(q, kc, vc)
+    ref_out, ref_lse = ref(q, kc, vc)
+    _close(out * seen_T[None, :, None, None], ref_out * seen_T[None, :, None, None], bo.TOL[dtype])
+    _close(jnp.where(seen_T[None, :, None], lse, 0.0), jnp.where(seen_T[None, :, None], ref_lse, 0.0), bo.TOL[dtype])
+    assert bool(jnp.all(jnp.isneginf(lse[:, : block - 1])))
+    grads = jax.grad(lambda *a: loss(*run(*a)), (0, 1, 2))(q, kc, vc)
+    refs = jax.grad(lambda *a: loss(*ref(*a)), (0, 1, 2))(q, kc, vc)
+    for g, r in zip(grads, refs):
+        assert g.dtype == dtype
+        _close(g, r, bo.GRAD_TOL[dtype])

@@ -107,16 +107,21 @@ def _rank_keys(k_BTKD: Array, rank_keys: Array | None, *, block: int, rule: str)
     return jnp.swapaxes(rank_BNKD, 1, 2)
 
 
+def run_bounds(t: int, chunk: int) -> list[tuple[int, int]]:
+    """The query ranges [s, e) of ``in_runs``: RANK_SEGMENTS runs of whole chunks, as even as whole
+    chunks allow (T a multiple of ``chunk``)."""
+    m = t // chunk
+    runs = min(RANK_SEGMENTS, m)
+    bounds = [round(i * m / runs) * chunk for i in range(runs + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
 def in_runs(fn, q_BKGTD: Array, blocks: tuple[Array, ...], *, block: int, chunk: int, axes: tuple[int, ...]) -> tuple[Array, ...]:
     """``fn(q_BKGCD, *blocks_seg, query_start)`` over chunks of queries (T a multiple of ``chunk``,
     a multiple of ``block``), in runs that each read only the blocks [B,K,N,D] before the run's
     end; fn's outputs joined along their query axes ``axes``."""
-    t = q_BKGTD.shape[3]
-    m = t // chunk
-    runs = min(RANK_SEGMENTS, m)
-    bounds = [round(i * m / runs) * chunk for i in range(runs + 1)]
     parts = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
+    for s, e in run_bounds(q_BKGTD.shape[3], chunk):
         seg = tuple(x[:, :, : e // block] for x in blocks)
         if e - s == chunk:
             parts.append(fn(q_BKGTD[:, :, :, s:e], *seg, s))

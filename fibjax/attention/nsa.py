@@ -26,6 +26,7 @@ from the NSA paper: BUILD_NOTES.md, "NSA".
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -63,25 +64,84 @@ def compress_blocks(x_BTKD: Array, pos_JD: Array, w_in_XF: Array, w_out_FD: Arra
 def _compressed_chunk(q_BKGCD: Array, k_BKND: Array, v_BKND: Array, query_start, *, block: int, top: int):
     """Queries query_start + [0, C) (unscaled) against the compressed blocks wholly in their past:
     output [B,K,G,C,D] float32, lse [B,K,G,C], and the selection [B,K,C,top] ranked by the same
-    probabilities (summed over the group, no gradient through the choice)."""
+    probabilities (summed over the group)."""
     p_BKGCN, lse_BKGC = block_sparse.group_probabilities(q_BKGCD, k_BKND, query_start, block=block)
-    idx_BKCE = block_sparse.top_earlier(jnp.sum(jax.lax.stop_gradient(p_BKGCN), axis=2), query_start, block=block, top=top)
+    idx_BKCE = block_sparse.top_earlier(jnp.sum(p_BKGCN, axis=2), query_start, block=block, top=top)
     return jnp.einsum("bkgcn,bknd->bkgcd", p_BKGCN, v_BKND), lse_BKGC, idx_BKCE
+
+
+def _compressed_forward(q_BKGTD: Array, k_BKND: Array, v_BKND: Array, block: int, top: int, chunk: int):
+    """(out [B,K,G,T,D] float32, lse [B,K,G,T], choice [B,K,T,top]) in runs of query chunks."""
+    body = functools.partial(_compressed_chunk, block=block, top=top)
+    return block_sparse.in_runs(body, q_BKGTD, (k_BKND, v_BKND), block=block, chunk=chunk, axes=(3, 3, 2))
+
+
+def _compressed_fwd(q_BKGTD, k_BKND, v_BKND, block, top, chunk):
+    o_BKGTD, lse_BKGT, idx_BKTE = _compressed_forward(q_BKGTD, k_BKND, v_BKND, block, top, chunk)
+    return (o_BKGTD, lse_BKGT, idx_BKTE), (q_BKGTD, k_BKND, v_BKND, o_BKGTD, lse_BKGT)
+
+
+def _compressed_chunk_backward(k_BKND, v_BKND, start, q_BKGCD, lse_BKGC, do_BKGCD, dlse_BKGC, delta_BKGC, *, block: int):
+    """Flash attention's backward for one chunk: p recomputed from the lse (zero where a block is
+    not yet complete, and for a query that sees none), ds = p (dp - delta + dlse); dq [B,K,G,C,D]
+    and this chunk's dk, dv [B,K,N,D]."""
+    c, d = q_BKGCD.shape[3:]
+    hi, scale = jax.lax.Precision.HIGHEST, 1.0 / math.sqrt(d)
+    s_BKGCN = jnp.einsum("bkgcd,bknd->bkgcn", q_BKGCD, k_BKND, precision=hi) * scale
+    past_CN = jnp.arange(k_BKND.shape[2])[None, :] < ((start + jnp.arange(c) + 1) // block)[:, None]
+    lse_BKGC = jnp.where(jnp.isfinite(lse_BKGC), lse_BKGC, 0.0)
+    p_BKGCN = jnp.where(past_CN, jnp.exp(s_BKGCN - lse_BKGC[..., None]), 0.0)
+    dp_BKGCN = jnp.einsum("bkgcd,bknd->bkgcn", do_BKGCD, v_BKND, precision=hi)
+    ds_BKGCN = p_BKGCN * (dp_BKGCN - (delta_BKGC - dlse_BKGC)[..., None]) * scale
+    dq_BKGCD = jnp.einsum("bkgcn,bknd->bkgcd", ds_BKGCN, k_BKND, precision=hi)
+    dk_BKND = jnp.einsum("bkgcn,bkgcd->bknd", ds_BKGCN, q_BKGCD, precision=hi)
+    dv_BKND = jnp.einsum("bkgcn,bkgcd->bknd", p_BKGCN, do_BKGCD, precision=hi)
+    return dq_BKGCD, dk_BKND, dv_BKND
+
+
+def _compressed_bwd(block, top, chunk, residuals, cotangents):
+    """The runs of the forward again: each run scans its chunks, reading (and adding dk, dv into)
+    only the blocks before its end. The choice is an integer output: no cotangent."""
+    q_BKGTD, k_BKND, v_BKND, o_BKGTD, lse_BKGT = residuals
+    do_BKGTD, dlse_BKGT, _ = cotangents
+    per_query = (q_BKGTD.astype(jnp.float32), lse_BKGT, do_BKGTD, dlse_BKGT, jnp.sum(do_BKGTD * o_BKGTD, axis=-1))  # the last: delta
+    dk_BKND, dv_BKND = jnp.zeros(k_BKND.shape, jnp.float32), jnp.zeros(v_BKND.shape, jnp.float32)
+    dq_parts = []
+    for s, e in block_sparse.run_bounds(q_BKGTD.shape[3], chunk):
+        n = e // block
+        k_seg, v_seg = k_BKND[:, :, :n], v_BKND[:, :, :n]
+
+        def step(carry, xs, k_seg=k_seg, v_seg=v_seg):
+            dq, dk, dv = _compressed_chunk_backward(k_seg, v_seg, xs[0], *xs[1:], block=block)
+            return (carry[0] + dk, carry[1] + dv), dq
+
+        starts_M = s + jnp.arange((e - s) // chunk, dtype=jnp.int32) * chunk
+        split = lambda x, s=s, e=e: jnp.moveaxis(x[:, :, :, s:e].reshape(*x.shape[:3], (e - s) // chunk, chunk, *x.shape[4:]), 3, 0)  # noqa: E731
+        zeros = jnp.zeros(k_seg.shape, jnp.float32)
+        (dk, dv), dq_MBKGCD = jax.lax.scan(step, (zeros, zeros), (starts_M, *(split(x) for x in per_query)))
+        dq_parts.append(block_sparse._merge_chunks(dq_MBKGCD, 3))
+        dk_BKND, dv_BKND = dk_BKND.at[:, :, :n].add(dk), dv_BKND.at[:, :, :n].add(dv)
+    dq_BKGTD = jnp.concatenate(dq_parts, axis=3)
+    return dq_BKGTD.astype(q_BKGTD.dtype), dk_BKND.astype(k_BKND.dtype), dv_BKND.astype(v_BKND.dtype)
+
+
+_compressed = jax.custom_vjp(_compressed_forward, nondiff_argnums=(3, 4, 5))
+_compressed.defvjp(_compressed_fwd, _compressed_bwd)
 
 
 def _compressed_and_choice(q: Array, k_cmp: Array, v_cmp: Array, *, block: int, top: int, query_chunk: int):
     """The compressed branch (out [B,T,H,D] float32, lse [B,T,H]) and the selected blocks
     [B,K,T',1+top] (``block_sparse.with_own_block``) from one softmax per query: NSA's ranking
-    is the group sum of this branch's probabilities (eq. 9-10). Queries in chunks (rematerialised
-    in the backward), in runs that read only the blocks before their end."""
+    is the group sum of this branch's probabilities (eq. 9-10). Queries in chunks, in runs that
+    read only the blocks before their end; flash attention's backward (p recomputed from the
+    lse), no gradient through the choice."""
     b, t, h, d = q.shape
     kh = k_cmp.shape[2]
     chunk, t_pad = block_sparse.choice_layout(t, block, query_chunk)
     # float32, zeros past the complete blocks (never visible): as block_sparse ranks by rank_keys
     k_BKND, v_BKND = (jnp.swapaxes(block_sparse._pad_to(x.astype(jnp.float32), t_pad // block), 1, 2) for x in (k_cmp, v_cmp))
-    body = jax.checkpoint(functools.partial(_compressed_chunk, block=block, top=top))
     q_BKGTD = block_sparse.grouped_queries(q, kh, t_pad)
-    o_BKGTD, lse_BKGT, idx_BKTE = block_sparse.in_runs(body, q_BKGTD, (k_BKND, v_BKND), block=block, chunk=chunk, axes=(3, 3, 2))
+    o_BKGTD, lse_BKGT, idx_BKTE = _compressed(q_BKGTD, k_BKND, v_BKND, block, top, chunk)
     o_BTHD = jnp.transpose(o_BKGTD, (0, 3, 1, 2, 4))[:, :t].reshape(b, t, h, d)
     lse_BTH = jnp.transpose(lse_BKGT, (0, 3, 1, 2))[:, :t].reshape(b, t, h)
     return o_BTHD, lse_BTH, block_sparse.with_own_block(idx_BKTE, t, block)
