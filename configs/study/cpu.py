@@ -73,7 +73,8 @@ def get_study() -> Study:
             # the five-seed test: fixed and stagger pairs first (the primary outcome), then learned
             *(seeded(n, f"configs/cpu/{n}.py", s) for s in SEEDS for n in ("fib_fixed_w8", "fib_stagger_w8")),
             *(seeded("fib_learned_w8", "configs/cpu/fib_learned_w8.py", s) for s in SEEDS),
-            seeded("dense", "configs/cpu/dense.py", 44),
+            # dense at 16x, and its 4x curve against tokens seen (the scale trend's dense line at 256)
+            StudyRun("dense_seed44", "configs/cpu/dense.py", ("seed=44", *CURVE), extra_evals=(LONG,)),
             # stage 2: the rest of paper A's matrix at W8/W12, and paper B's methods
             StudyRun("fib_learned_w8", "configs/cpu/fib_learned_w8.py", stage=2),
             StudyRun("fib_coprime_w8", "configs/cpu/fib_coprime_w8.py", stage=2),
