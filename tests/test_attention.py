@@ -92,6 +92,30 @@ def test_dense_matches_oracle_including_chunked(dtype):
             _close(g, r, oracle.GRAD_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", first_fast(DTYPES))
+def test_dense_key_tiles_match_oracle(dtype):
+    """Chunks longer than a key tile (dense.KEY_TILE = 256): a chunk of 512 reads its keys in tiles,
+    the ones before its first query unmasked, the rest masked, the last padded; unrolled (a ragged
+    second chunk) and mapped (the queries padded to 1024; tiles past a chunk's end skipped)."""
+    t = 600
+    q, k, v = oracle.random_qkv(KEY, 1, t, 2, 1, 8, dtype)
+    causal = np.tril(np.ones((t, t), bool))
+    w, w_lse = jax.random.normal(jax.random.PRNGKey(2), q.shape), jax.random.normal(jax.random.PRNGKey(3), q.shape[:3])
+
+    def grads(attend):
+        return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)[0].astype(jnp.float32) * w) + jnp.sum(attend(q, k, v)[1] * w_lse), (0, 1, 2))(q, k, v)
+
+    ref, ref_lse = oracle.masked_attention(q, k, v, causal)
+    g_ref = grads(lambda q, k, v: oracle.masked_attention(q, k, v, causal))
+    for unroll, runs in ((4096, 8), (0, 2)):
+        attend = functools.partial(dense_attention_xla, return_lse=True, query_chunk=512, unroll_max_len=unroll, key_segments=runs)
+        out, lse = attend(q, k, v)
+        _close(out, ref, oracle.TOL[dtype])
+        _close(lse, ref_lse, oracle.TOL[dtype])
+        for g, r in zip(grads(attend), g_ref):
+            _close(g, r, oracle.GRAD_TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("alpha", first_fast([1.0, 0.73, 0.5, 1.21, 1.4999], keep=2))
 @pytest.mark.parametrize("base", ["fibonacci", "pow2"])

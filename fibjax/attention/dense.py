@@ -1,15 +1,17 @@
 """Dense causal attention in XLA: the baseline, and the peer of the test oracle.
 
 Flash attention's arithmetic in XLA, with its own backward (``jax.custom_vjp``): queries go in
-chunks of ``query_chunk``; the forward keeps only the output and the log-sum-exp, and the
-backward recomputes each chunk's probabilities from the log-sum-exp (p = exp(s - lse)) instead of
-differentiating through the softmax, so one chunk's [C, T] scores are alive at a time and none
-of the softmax's intermediates is kept or differentiated. Up to ``unroll_max_len`` tokens the chunks are
-a Python loop and each reads only the keys before its end (the causal triangle: about half the
-work of a [T, T] product); beyond it the chunks go in ``key_segments`` runs, each a ``lax.map``
-(backward: ``lax.scan``) over its chunks reading the keys up to the run's end: with 8 even runs,
-about 9/16 of a [T, T] product at any T, in a program whose size does not grow with T.
-Measurements: BUILD_NOTES.md, "Attention paths", "Dense".
+chunks of ``query_chunk``, and each chunk reads its keys in tiles of ``KEY_TILE`` (a loop with an
+online softmax), so one tile's [C, W] scores are alive at a time and stay in cache (a chunk's whole
+[C, T] scores at a time were most of the time: 8 heads x 256 x 4096 float32 is 32 MB); tiles past
+a chunk's end are not read, and the forward skips the causal mask on those wholly before it. The
+forward keeps only the output and the log-sum-exp, and the backward recomputes each tile's
+probabilities from the log-sum-exp (p = exp(s - lse)) instead of differentiating through the
+softmax. Up to ``unroll_max_len`` tokens the chunks are a Python loop; beyond it the chunks go in
+``key_segments`` runs, each a ``lax.map`` (backward: ``lax.scan``) over its chunks, in a program
+whose size does not grow with T (the tile loops' trip counts follow each chunk's end, so the runs
+no longer decide how many keys a chunk reads). Measurements: BUILD_NOTES.md, "Attention paths",
+"Dense"; /work/notes/dense.md.
 """
 
 from __future__ import annotations
@@ -21,40 +23,85 @@ import jax.numpy as jnp
 
 from fibjax.attention.common import Array, finish, group_queries, stats_dtype
 
-QUERY_CHUNK = 256
+QUERY_CHUNK = 512
+KEY_TILE = 256  # a chunk's keys in tiles of this (or of the chunk, when smaller)
 UNROLL_MAX_LEN = 4096
 KEY_SEGMENTS = 8  # beyond UNROLL_MAX_LEN: mapped runs of chunks, each reading the keys up to its end
 
 
-def _causal_mask(start, rows: int, chunk: int, key_len: int) -> Array:
-    """[rows, key_len]: row r is the query at start + r % chunk (rows are G groups of a chunk)."""
-    return (start + jnp.arange(rows) % chunk)[:, None] >= jnp.arange(key_len)[None, :]
+def _tiles(x_BKTD: Array, tile: int) -> Array:
+    """Keys in tiles along a leading axis, zero-padded to whole tiles: [B,K,T,D] -> [N,B,K,W,D]."""
+    b, kh, t, d = x_BKTD.shape
+    n = -(-t // tile)
+    x_BKTD = jnp.pad(x_BKTD, ((0, 0), (0, 0), (0, n * tile - t), (0, 0)))
+    return jnp.moveaxis(x_BKTD.reshape(b, kh, n, tile, d), 2, 0)
+
+
+def _tile_loops(start, chunk: int, tile: int, n: int):
+    """The key tiles a chunk reads, as two ranges: [0, below) wholly before its first query (no
+    mask), [below, stop) up to its end (masked). Static when ``start`` is, else while-loop bounds."""
+    if isinstance(start, int):
+        return start // tile, min(-(-(start + chunk) // tile), n)
+    return start // tile, jnp.minimum((start + chunk + tile - 1) // tile, n)
+
+
+def _visible(start, rows: int, chunk: int, j0, tile: int) -> Array:
+    """[rows, tile]: row r is the query at start + r % chunk (rows are G groups of a chunk), key j0 + w."""
+    return (start + jnp.arange(rows) % chunk)[:, None] >= j0 + jnp.arange(tile)[None, :]
 
 
 def _chunk_forward(q_BKMD: Array, k_BKTD: Array, v_BKTD: Array, start, chunk: int) -> tuple[Array, Array]:
-    """One chunk's queries (M = G x C rows) against the keys given: output [B,K,M,D] float32, lse [B,K,M]."""
-    f32 = stats_dtype(k_BKTD)
-    s_BKMT = jnp.einsum("bkmd,bktd->bkmt", q_BKMD, k_BKTD, preferred_element_type=f32)
-    s_BKMT = jnp.where(_causal_mask(start, s_BKMT.shape[2], chunk, s_BKMT.shape[3]), s_BKMT, -jnp.inf)
-    m_BKM = jnp.max(s_BKMT, axis=-1)  # every query sees its own key: finite
-    p_BKMT = jnp.exp(s_BKMT - m_BKM[..., None])
-    l_BKM = jnp.sum(p_BKMT, axis=-1)
-    o_BKMD = jnp.einsum("bkmt,bktd->bkmd", p_BKMT, v_BKTD.astype(f32)) / l_BKM[..., None]
-    return o_BKMD, m_BKM + jnp.log(l_BKM)
+    """One chunk's queries (M = G x C rows) against the keys given: output [B,K,M,D] float32, lse [B,K,M].
+    Online softmax over key tiles of ``tile``, so one tile's [M, W] scores are alive at a time."""
+    f32, tile = stats_dtype(k_BKTD), min(KEY_TILE, chunk)
+    k_N, v_N = _tiles(k_BKTD, tile), _tiles(v_BKTD, tile)
+
+    def step(i, carry, masked=True):
+        m_BKM, l_BKM, o_BKMD = carry
+        s_BKMW = jnp.einsum("bkmd,bkwd->bkmw", q_BKMD, k_N[i], preferred_element_type=f32)
+        if masked:
+            s_BKMW = jnp.where(_visible(start, s_BKMW.shape[2], chunk, i * tile, tile), s_BKMW, -jnp.inf)
+        new_BKM = jnp.maximum(m_BKM, jnp.max(s_BKMW, axis=-1))  # tile 0 holds key 0, seen by all: finite from there on
+        p_BKMW = jnp.exp(s_BKMW - new_BKM[..., None])
+        scale_BKM = jnp.exp(m_BKM - new_BKM)
+        o_BKMD = o_BKMD * scale_BKM[..., None] + jnp.einsum("bkmw,bkwd->bkmd", p_BKMW, v_N[i].astype(f32))
+        return new_BKM, l_BKM * scale_BKM + jnp.sum(p_BKMW, axis=-1), o_BKMD
+
+    b, kh, m, d = q_BKMD.shape
+    below, stop = _tile_loops(start, chunk, tile, k_N.shape[0])
+    carry = (jnp.full((b, kh, m), -jnp.inf, f32), jnp.zeros((b, kh, m), f32), jnp.zeros((b, kh, m, d), f32))
+    carry = jax.lax.fori_loop(0, below, functools.partial(step, masked=False), carry)
+    m_BKM, l_BKM, o_BKMD = jax.lax.fori_loop(below, stop, step, carry)
+    return o_BKMD / l_BKM[..., None], m_BKM + jnp.log(l_BKM)
 
 
 def _chunk_backward(k_BKTD, v_BKTD, start, chunk: int, q_BKMD, lse_BKM, do_BKMD, dlse_BKM, delta_BKM):
-    """Gradients of one chunk: dq [B,K,M,D] and this chunk's share of dk, dv [B,K,T,D] (float32)."""
-    f32 = stats_dtype(k_BKTD)
-    s_BKMT = jnp.einsum("bkmd,bktd->bkmt", q_BKMD, k_BKTD, preferred_element_type=f32)
-    p_BKMT = jnp.where(_causal_mask(start, s_BKMT.shape[2], chunk, s_BKMT.shape[3]), jnp.exp(s_BKMT - lse_BKM[..., None]), 0.0)
-    dv_BKTD = jnp.einsum("bkmt,bkmd->bktd", p_BKMT, do_BKMD)
-    dp_BKMT = jnp.einsum("bkmd,bktd->bkmt", do_BKMD, v_BKTD.astype(f32))
+    """Gradients of one chunk: dq [B,K,M,D] and this chunk's share of dk, dv [B,K,T,D] (float32),
+    over the same key tiles as the forward."""
+    f32, tile = stats_dtype(k_BKTD), min(KEY_TILE, chunk)
+    k_N, v_N = _tiles(k_BKTD, tile), _tiles(v_BKTD, tile)
+    q32_BKMD = q_BKMD.astype(f32)
     # d lse / d s = p, so lse's cotangent joins the softmax's: ds = p (dp - delta + dlse)
-    ds_BKMT = p_BKMT * (dp_BKMT - (delta_BKM - dlse_BKM)[..., None])
-    dq_BKMD = jnp.einsum("bkmt,bktd->bkmd", ds_BKMT, k_BKTD.astype(f32))
-    dk_BKTD = jnp.einsum("bkmt,bkmd->bktd", ds_BKMT, q_BKMD.astype(f32))
-    return dq_BKMD, dk_BKTD, dv_BKTD
+    shift_BKM = delta_BKM - dlse_BKM
+
+    def step(i, carry):
+        dq_BKMD, dk_NBKWD, dv_NBKWD = carry
+        s_BKMW = jnp.einsum("bkmd,bkwd->bkmw", q_BKMD, k_N[i], preferred_element_type=f32)
+        p_BKMW = jnp.where(_visible(start, s_BKMW.shape[2], chunk, i * tile, tile), jnp.exp(s_BKMW - lse_BKM[..., None]), 0.0)
+        dv_BKWD = jnp.einsum("bkmw,bkmd->bkwd", p_BKMW, do_BKMD)
+        ds_BKMW = p_BKMW * (jnp.einsum("bkmd,bkwd->bkmw", do_BKMD, v_N[i].astype(f32)) - shift_BKM[..., None])
+        dq_BKMD = dq_BKMD + jnp.einsum("bkmw,bkwd->bkmd", ds_BKMW, k_N[i].astype(f32))
+        dk_BKWD = jnp.einsum("bkmw,bkmd->bkwd", ds_BKMW, q32_BKMD)
+        return dq_BKMD, dk_NBKWD.at[i].set(dk_BKWD), dv_NBKWD.at[i].set(dv_BKWD)
+
+    # one loop, every tile masked: split in two like the forward's, the loops' [N,B,K,W,D] carries
+    # cost more than the mask saves (16384 tokens, fwd+bwd, loaded machine: 0.66 of the old time, not 0.53)
+    zeros_N = jnp.zeros(k_N.shape, f32)  # tiles past the chunk's end stay zero
+    stop = _tile_loops(start, chunk, tile, k_N.shape[0])[1]
+    dq_BKMD, dk_NBKWD, dv_NBKWD = jax.lax.fori_loop(0, stop, step, (jnp.zeros(q_BKMD.shape, f32), zeros_N, zeros_N))
+    b, kh, t, d = k_BKTD.shape
+    untile = lambda x_NBKWD: jnp.moveaxis(x_NBKWD, 0, 2).reshape(b, kh, -1, d)[:, :, :t]  # noqa: E731
+    return dq_BKMD, untile(dk_NBKWD), untile(dv_NBKWD)
 
 
 def _rows(x_BKGT_: Array, start: int, stop: int) -> Array:
