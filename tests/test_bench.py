@@ -90,3 +90,30 @@ def test_train_bench_times_its_configs_in_rounds(monkeypatch, capsys):
     assert bench.main(["train", "--configs", "configs/cpu/dense.py,configs/cpu/fib_stagger_w8.py", "--steps", "2", "--rounds", "2", *tiny]) == 0
     assert order == [("dense", 1), ("offset", 1)] + [("dense", 2), ("offset", 2)] * 2  # compile steps, then the rounds
     assert "rounds=2" in capsys.readouterr().out
+
+
+def test_an_external_path_joins_the_rounds(monkeypatch):
+    """An external path (torch_sdpa) is timed in every round beside the JAX paths, not once before
+    them, so its ratios are per-round ratios like theirs."""
+    from fibjax.bench import attention as attention_bench
+    from fibjax.bench.timing import of_rounds
+
+    calls = []
+
+    class Fake:
+        peak_mb = float("nan")
+
+        def __init__(self, mode):
+            self.mode = mode
+
+        def times(self, repeats):
+            calls.append(self.mode)
+            return [1.0] * repeats
+
+        def measurement(self, rounds_ms):
+            return of_rounds(rounds_ms, self.peak_mb)
+
+    monkeypatch.setitem(attention_bench.EXTERNAL, "torch_sdpa", (lambda: True, lambda q, k, v: {m: Fake(m) for m in ("fwd", "fwd+bwd")}))
+    res = attention_bench.run(attention_bench.Case(seq_len=32), ["static", "torch_sdpa"], repeats=1, rounds=3)
+    assert calls.count("fwd") == 3 and calls.count("fwd+bwd") == 3
+    assert len(res[("torch_sdpa", "fwd")].round_ms) == 3 and len(res[("static", "fwd")].round_ms) == 3

@@ -141,7 +141,7 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "cudnn": _cudnn,
 }
 # paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
-EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.measure)}
+EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.timers)}
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
 # static_pallas / cudnn <= 0.2 (5x faster) and learned_pallas / static_pallas <= 1.5, fwd+bwd
 RATIOS: list[tuple[str, str]] = [
@@ -200,23 +200,21 @@ def traffic_bytes(case: Case, mode: str) -> int:
 
 def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement};
-    ``progress`` hears one line per path (external ones as they finish, the JAX ones after the
-    last round). The JAX paths are compiled once and timed in turn, ``rounds`` times, and each
-    reports the median of its rounds' medians; a ratio of two of them is the median of the
-    per-round ratios (``timing.ratio``), so a load that comes and goes falls on both alike.
-    External paths (``torch_sdpa``) are timed once, before the rounds: their ratios are ratios
-    of medians."""
+    ``progress`` hears one line per path after the last round. The paths are compiled (warmed
+    up) once and timed in turn, ``rounds`` times, and each reports the median of its rounds'
+    medians; a ratio of two of them is the median of the per-round ratios (``timing.ratio``), so
+    a load that comes and goes falls on both alike.
+    External paths (``torch_sdpa``) join the same rounds."""
     q, k, v = inputs(case)
     alpha = jnp.float32(case.alpha)
     results, timers = {}, {}
     for name in paths:
         if name in EXTERNAL:
-            available, measure_external = EXTERNAL[name]
+            available, external_timers = EXTERNAL[name]
             if not available():
                 progress(f"seq {case.seq_len} {name}: skipped (not installed)")
                 continue
-            results.update({(name, mode): m for mode, m in measure_external(q, k, v, repeats).items()})
-            progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
+            timers.update({(name, mode): t for mode, t in external_timers(q, k, v).items()})
             continue
         try:
             f = PATHS[name](case)

@@ -49,10 +49,14 @@ class Timer:
         return out
 
     def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
-        """The median over rounds of each round's median; the spread is over every call."""
-        every = [t for r in rounds_ms for t in r]
-        medians = tuple(statistics.median(r) for r in rounds_ms)
-        return Measurement(statistics.median(medians), max(every) - min(every), self.peak_mb, medians if len(medians) > 1 else ())
+        return of_rounds(rounds_ms, self.peak_mb)
+
+
+def of_rounds(rounds_ms: list[list[float]], peak_mb: float) -> Measurement:
+    """The median over rounds of each round's median; the spread is over every call."""
+    every = [t for r in rounds_ms for t in r]
+    medians = tuple(statistics.median(r) for r in rounds_ms)
+    return Measurement(statistics.median(medians), max(every) - min(every), peak_mb, medians if len(medians) > 1 else ())
 
 
 def measure(fn: Callable, *args, repeats: int = 5) -> Measurement:

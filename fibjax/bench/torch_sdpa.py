@@ -3,12 +3,11 @@ XLA path is held to (issue 14: within 2x on CPU). Optional: the row is left out 
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import numpy as np
 
-from fibjax.bench.timing import Measurement
+from fibjax.bench.timing import Measurement, of_rounds
 
 
 def available() -> bool:
@@ -19,13 +18,34 @@ def available() -> bool:
     return True
 
 
-def measure(q, k, v, repeats: int) -> dict[str, Measurement]:
+class _Timer:
+    """One torch call timed like ``timing.Timer`` (warmed up once; ``times`` runs it ``repeats``
+    times), so it joins the JAX paths' rounds; peak memory is not measured (nan)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        fn()  # warm up
+        self.peak_mb = float("nan")
+
+    def times(self, repeats: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._fn()
+            out.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
+        return of_rounds(rounds_ms, self.peak_mb)
+
+
+def timers(q, k, v) -> dict[str, _Timer]:
     """{"fwd", "fwd+bwd"}: causal SDPA on the same [B,T,H,D] / [B,T,K,D] arrays (GQA by
-    ``enable_gqa``), in torch's own threads; peak memory is not measured (nan)."""
+    ``enable_gqa``), in torch's own threads."""
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[str(q.dtype)]
-    q_t, k_t, v_t = (torch.from_numpy(np.asarray(x, np.float32)).to(dtype).transpose(1, 2).contiguous() for x in (q, k, v))
+    q_t, k_t, v_t = (torch.from_numpy(np.array(x, np.float32)).to(dtype).transpose(1, 2).contiguous() for x in (q, k, v))
     gqa = q.shape[2] != k.shape[2]
 
     def forward():
@@ -37,13 +57,4 @@ def measure(q, k, v, repeats: int) -> dict[str, Measurement]:
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=gqa)
         out.float().sum().backward()
 
-    results = {}
-    for mode, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        fn()  # warm up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        results[mode] = Measurement(statistics.median(times), max(times) - min(times), float("nan"))
-    return results
+    return {"fwd": _Timer(forward), "fwd+bwd": _Timer(forward_backward)}
