@@ -11,7 +11,7 @@ softmax. Up to ``unroll_max_len`` tokens the chunks are a Python loop; beyond it
 ``key_segments`` runs, each a ``lax.map`` (backward: ``lax.scan``) over its chunks, in a program
 whose size does not grow with T (the tile loops' trip counts follow each chunk's end, so the runs
 no longer decide how many keys a chunk reads). Measurements: BUILD_NOTES.md, "Attention paths",
-"Dense"; /work/notes/dense.md.
+"Dense".
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fibjax.attention.common import Array, finish, group_queries, stats_dtype
 QUERY_CHUNK = 512
 KEY_TILE = 256  # a chunk's keys in tiles of this (or of the chunk, when smaller)
 UNROLL_MAX_LEN = 4096
-KEY_SEGMENTS = 8  # beyond UNROLL_MAX_LEN: mapped runs of chunks, each reading the keys up to its end
+KEY_SEGMENTS = 8  # beyond UNROLL_MAX_LEN: mapped runs of chunks (the program's shape; each chunk reads only its causal keys)
 
 
 def _tiles(x_BKTD: Array, tile: int) -> Array:
