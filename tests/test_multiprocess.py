@@ -99,8 +99,18 @@ def assert_survivor_said_once(out: str, *, dead: int, pid: int, survivor: int) -
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     said = f"error: process {dead} of 2 (pid {pid} on host {socket.gethostname()}) died (killed or crashed); process {survivor} stops too"
     assert errors == [said], out[-3000:]
-    # no Python traceback, no C++ log line of JAX's runtime ("E1203 07:27:08.203696 ...")
-    assert "Traceback" not in out and not re.search(r"^[EWF]\d{4} ", out, re.M), out[-3000:]
+    # no Python traceback, no C++ log line of JAX's runtime ("E1203 07:27:08.203696 ..."), except
+    # its coordination agent's report of the dead coordinator: it sees the same closed socket as
+    # fibjax's watcher and, on a loaded machine, may print first (the exit is still fibjax's)
+    rest = [line for line in out.splitlines() if not _agent_race_line(line)] if dead == 0 else out.splitlines()
+    assert "Traceback" not in out and not any(re.match(r"[EWF]\d{4} ", line) for line in rest), out[-3000:]
+
+
+def _agent_race_line(line: str) -> bool:
+    return bool(
+        re.match(r"[EF]\d{4} .*(coordination_service_agent\.cc|client\.h):\d+\]", line)
+        or line.startswith(("Additional GRPC error information from remote target coordination_service", ":UNKNOWN:Error received from peer"))
+    )
 
 
 def steps_in(workdir: Path) -> int:
