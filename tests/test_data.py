@@ -317,6 +317,15 @@ def test_pipeline_is_deterministic_and_windows_are_real_slices(prepared):
         assert sum(len(window_offsets(t, row)) for t in files.values()) >= 1
 
 
+def test_a_batch_of_one_is_the_first_row_of_a_batch_of_two(prepared):
+    """One sequence per step is a valid run (a 1-device debug run): grain's batch length of an
+    endless dataset overflowed for a batch of one. Batching does not reorder windows."""
+    ones = take(train_iterator(prepared, {}, seq_len=16, global_batch=1, seed=5), 4)
+    twos = take(train_iterator(prepared, {}, seq_len=16, global_batch=2, seed=5), 2)
+    assert all(b.shape == (1, 17) for b in ones)
+    assert np.array_equal(np.concatenate(ones), np.concatenate(twos))
+
+
 @pytest.mark.parametrize("worker_count", [0, 2])
 def test_resume_from_state_gives_the_same_next_batches(prepared, worker_count):
     kwargs = dict(seq_len=16, global_batch=4, seed=0, worker_count=worker_count)

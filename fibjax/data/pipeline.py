@@ -108,6 +108,8 @@ def train_iterator(
         for k, name in enumerate(probs)
     ]
     mixture = grain.MapDataset.mix(sources, weights=list(probs.values())) if len(sources) > 1 else sources[0]
-    steps = mixture.batch(local, batch_fn=np.stack)[process_index::process_count]
+    # drop_remainder: the windows are endless, and grain's length of an undropped batch of one (a
+    # float ceil of sys.maxsize) overflows; the batches themselves are the same either way.
+    steps = mixture.batch(local, drop_remainder=True, batch_fn=np.stack)[process_index::process_count]
     read = grain.ReadOptions(num_threads=worker_count, prefetch_buffer_size=2 * worker_count)
     return iter(steps.to_iter_dataset(read))
