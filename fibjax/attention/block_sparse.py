@@ -126,13 +126,24 @@ def in_runs(fn, q_BKGTD: Array, blocks: tuple[Array, ...], *, block: int, chunk:
         if e - s == chunk:
             parts.append(fn(q_BKGTD[:, :, :, s:e], *seg, s))
             continue
-        q_MBKGCD = jnp.moveaxis(q_BKGTD[:, :, :, s:e].reshape(*q_BKGTD.shape[:3], (e - s) // chunk, chunk, -1), 3, 0)
-        out_M = jax.lax.map(lambda xs, seg=seg: fn(xs[0], *seg, xs[1]), (q_MBKGCD, s + chunk * jnp.arange((e - s) // chunk, dtype=jnp.int32)))
-        parts.append(tuple(_merge_chunks(x, a) for x, a in zip(out_M, axes)))
+        out_M = jax.lax.map(lambda xs, seg=seg: fn(xs[0], *seg, xs[1]), (split_chunks(q_BKGTD, s, e, chunk), chunk_starts(s, e, chunk)))
+        parts.append(tuple(merge_chunks(x, a) for x, a in zip(out_M, axes)))
     return tuple(jnp.concatenate(xs, axis=a) for xs, a in zip(zip(*parts), axes))
 
 
-def _merge_chunks(x_M_: Array, axis: int) -> Array:
+def split_chunks(x_BKGT_: Array, start: int, stop: int, chunk: int) -> Array:
+    """Queries [start, stop) (whole chunks) with the chunks as a leading axis:
+    [B, K, G, T, ...] -> [M, B, K, G, C, ...]."""
+    y = x_BKGT_[:, :, :, start:stop]
+    return jnp.moveaxis(y.reshape(*y.shape[:3], (stop - start) // chunk, chunk, *y.shape[4:]), 3, 0)
+
+
+def chunk_starts(start: int, stop: int, chunk: int) -> Array:
+    """[M] int32: the first query of each chunk of [start, stop)."""
+    return start + chunk * jnp.arange((stop - start) // chunk, dtype=jnp.int32)
+
+
+def merge_chunks(x_M_: Array, axis: int) -> Array:
     """[M, ..., C (at ``axis`` of a chunk's output), ...] -> [..., M x C, ...]."""
     y = jnp.moveaxis(x_M_, 0, axis)
     return y.reshape(*y.shape[:axis], y.shape[axis] * y.shape[axis + 1], *y.shape[axis + 2 :])

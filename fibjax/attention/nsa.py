@@ -115,11 +115,10 @@ def _compressed_bwd(block, top, chunk, residuals, cotangents):
             dq, dk, dv = _compressed_chunk_backward(k_seg, v_seg, xs[0], *xs[1:], block=block)
             return (carry[0] + dk, carry[1] + dv), dq
 
-        starts_M = s + jnp.arange((e - s) // chunk, dtype=jnp.int32) * chunk
-        split = lambda x, s=s, e=e: jnp.moveaxis(x[:, :, :, s:e].reshape(*x.shape[:3], (e - s) // chunk, chunk, *x.shape[4:]), 3, 0)  # noqa: E731
+        chunks = (block_sparse.chunk_starts(s, e, chunk), *(block_sparse.split_chunks(x, s, e, chunk) for x in per_query))
         zeros = jnp.zeros(k_seg.shape, jnp.float32)
-        (dk, dv), dq_MBKGCD = jax.lax.scan(step, (zeros, zeros), (starts_M, *(split(x) for x in per_query)))
-        dq_parts.append(block_sparse._merge_chunks(dq_MBKGCD, 3))
+        (dk, dv), dq_MBKGCD = jax.lax.scan(step, (zeros, zeros), chunks)
+        dq_parts.append(block_sparse.merge_chunks(dq_MBKGCD, 3))
         dk_BKND, dv_BKND = dk_BKND.at[:, :, :n].add(dk), dv_BKND.at[:, :, :n].add(dv)
     dq_BKGTD = jnp.concatenate(dq_parts, axis=3)
     return dq_BKGTD.astype(q_BKGTD.dtype), dk_BKND.astype(k_BKND.dtype), dv_BKND.astype(v_BKND.dtype)

@@ -26,10 +26,32 @@ def ratio(num: Measurement, den: Measurement) -> float:
     return num.ms / den.ms
 
 
-class Timer:
-    """``fn`` (jitted) compiled once and warmed up; each :meth:`times` call runs it ``repeats`` times.
-    Several timers interleaved round by round see the same load, so their ratios stay fair on a
-    shared machine."""
+class CallTimer:
+    """A blocking ``call`` (returns once its work is done) warmed up once; each :meth:`times` call
+    runs it ``repeats`` times. Several timers interleaved round by round see the same load, so
+    their ratios stay fair on a shared machine. ``peak_mb``: nan unless a subclass measures it."""
+
+    peak_mb = float("nan")
+
+    def __init__(self, call: Callable[[], object]):
+        self._call = call
+        call()  # warm up
+
+    def times(self, repeats: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self._call()
+            out.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
+        return of_rounds(rounds_ms, self.peak_mb)
+
+
+class Timer(CallTimer):
+    """``fn`` (jitted) compiled once, its peak memory read from XLA's buffer assignment, and timed
+    as a :class:`CallTimer` until its outputs are ready."""
 
     def __init__(self, fn: Callable, *args):
         compiled = jax.jit(fn).lower(*args).compile()
@@ -37,19 +59,7 @@ class Timer:
         self.peak_mb = (
             (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**20 if mem else float("nan")
         )
-        self._compiled, self._args = compiled, args
-        jax.block_until_ready(compiled(*args))
-
-    def times(self, repeats: int) -> list[float]:
-        out = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(self._compiled(*self._args))
-            out.append((time.perf_counter() - start) * 1e3)
-        return out
-
-    def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
-        return of_rounds(rounds_ms, self.peak_mb)
+        super().__init__(lambda: jax.block_until_ready(compiled(*args)))
 
 
 def of_rounds(rounds_ms: list[list[float]], peak_mb: float) -> Measurement:

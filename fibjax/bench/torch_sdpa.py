@@ -1,13 +1,11 @@
 """PyTorch's fused ``scaled_dot_product_attention`` on the bench's inputs: the reference the dense
-XLA path is held to (issue 14: within 2x on CPU). Optional: the row is left out without torch."""
+XLA path is held to (the aim: within 2x on CPU). Optional: the row is left out without torch."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from fibjax.bench.timing import Measurement, of_rounds
+from fibjax.bench.timing import CallTimer
 
 
 def available() -> bool:
@@ -18,28 +16,7 @@ def available() -> bool:
     return True
 
 
-class _Timer:
-    """One torch call timed like ``timing.Timer`` (warmed up once; ``times`` runs it ``repeats``
-    times), so it joins the JAX paths' rounds; peak memory is not measured (nan)."""
-
-    def __init__(self, fn):
-        self._fn = fn
-        fn()  # warm up
-        self.peak_mb = float("nan")
-
-    def times(self, repeats: int) -> list[float]:
-        out = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            self._fn()
-            out.append((time.perf_counter() - start) * 1e3)
-        return out
-
-    def measurement(self, rounds_ms: list[list[float]]) -> Measurement:
-        return of_rounds(rounds_ms, self.peak_mb)
-
-
-def timers(q, k, v) -> dict[str, _Timer]:
+def timers(q, k, v) -> dict[str, CallTimer]:
     """{"fwd", "fwd+bwd"}: causal SDPA on the same [B,T,H,D] / [B,T,K,D] arrays (GQA by
     ``enable_gqa``), in torch's own threads."""
     import torch
@@ -57,4 +34,4 @@ def timers(q, k, v) -> dict[str, _Timer]:
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=gqa)
         out.float().sum().backward()
 
-    return {"fwd": _Timer(forward), "fwd+bwd": _Timer(forward_backward)}
+    return {"fwd": CallTimer(forward), "fwd+bwd": CallTimer(forward_backward)}
