@@ -53,10 +53,11 @@ def built(runs, tmp_path_factory):
 
 
 def test_runs_that_scored_other_tokens_are_named_under_the_matrix(tmp_path):
-    paths = [fake_run(tmp_path, name, datasets={"fineweb": rows_for([40.0], tokens=n)}) for name, n in (("a", 8192), ("b", 2048), ("c", 8192))]
+    sets = lambda n: {"fineweb": rows_for([40.0], tokens=n), "wiki": rows_for([50.0], tokens=4096)}  # noqa: E731
+    paths = [fake_run(tmp_path, name, datasets=sets(n)) for name, n in (("a", 8192), ("b", 2048), ("c", 8192))]
     runs, _ = rep.load_runs(paths)
-    note = next(n for n in rep.matrix_table(runs, ["fineweb"]).notes if "same tokens" in n)
-    assert note.startswith("Tokens scored per dataset: 8192, except b: 2048.")
+    note = next(n for n in rep.matrix_table(runs, ["fineweb", "wiki"]).notes if "same tokens" in n)
+    assert note.startswith("Tokens scored per dataset (fineweb / wiki): 8192 / 4096, except b: 2048 / 4096.")
 
 
 def read_csv(path):

@@ -247,7 +247,8 @@ def other_samples_note(runs: list[RunEval], datasets: list[str]) -> str | None:
         return None
     fmt = lambda t: " / ".join("—" if n is None else str(n) for n in t)  # noqa: E731
     listed = "; ".join(f"{label}: {fmt(t)}" for label, t in others.items())
-    return f"Tokens scored per dataset: {fmt(usual)}, except {listed}. Compare perplexities only between runs that scored the same tokens."
+    names = " / ".join(datasets)
+    return f"Tokens scored per dataset ({names}): {fmt(usual)}, except {listed}. Compare perplexities only between runs that scored the same tokens."
 
 
 def change_pct(rows: list[dict]) -> float:
