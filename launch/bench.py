@@ -31,8 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=_ints, default=[1024, 4096, 16384], help="sequence lengths")
     p.add_argument(
         "--paths",
-        default=",".join(attn_bench.default_paths()),
+        default=None,
         help=f"comma list of {[*attn_bench.PATHS, *attn_bench.EXTERNAL]} (default: those fast here; on CPU the *_pallas rows are interpret mode)",
+    )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=1,
+        help="on CPU: run the JAX paths on this many CPU devices, the heads split across them (XLA:CPU runs each device on a thread "
+        "of its own, which uses the cores better than its threads within one device); torch keeps its own threads",
     )
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads")
@@ -105,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         print(formulations.run(args.seq, args.repeats))
         return 0
 
-    paths = [x for x in args.paths.split(",") if x]
+    if args.cpu_devices < 1:
+        parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
+    mesh = attn_bench.cpu_head_mesh(args.cpu_devices) if args.cpu_devices > 1 else None
+    paths = [x for x in (args.paths or ",".join(attn_bench.default_paths())).split(",") if x]
     known = [*attn_bench.PATHS, *attn_bench.EXTERNAL]
     if unknown := sorted(set(paths) - set(known)):
         parser.error(f"unknown path(s) {unknown}; known: {known}")
@@ -123,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         case = attn_bench.Case(
             seq_len=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, block_sizes=blocks
         )
-        rows.append((case, attn_bench.run(case, paths, args.repeats, progress=lambda m: print(m, file=sys.stderr, flush=True), rounds=args.rounds)))
+        progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+        rows.append((case, attn_bench.run(case, paths, args.repeats, progress=progress, rounds=args.rounds, mesh=mesh)))
     print(attn_bench.table(rows))
     return 0
 

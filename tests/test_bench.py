@@ -2,12 +2,16 @@
 and its ratios are taken round by round."""
 
 import re
+import subprocess
+import sys
 
+import jax
+import numpy as np
 import pytest
 
 from fibjax.bench.timing import Measurement, ratio
 from launch import bench
-from tests.helpers import TINY_MODEL
+from tests.helpers import ROOT, TINY_MODEL
 
 
 def test_attention_bench_interleaves_rounds_and_prints_ratios(capsys):
@@ -117,3 +121,37 @@ def test_an_external_path_joins_the_rounds(monkeypatch):
     res = attention_bench.run(attention_bench.Case(seq_len=32), ["static", "torch_sdpa"], repeats=1, rounds=3)
     assert calls.count("fwd") == 3 and calls.count("fwd+bwd") == 3
     assert len(res[("torch_sdpa", "fwd")].round_ms) == 3 and len(res[("static", "fwd")].round_ms) == 3
+
+
+@pytest.mark.parametrize("path", ["dense", "block_sparse", "nsa", "learned"])
+def test_a_path_split_over_head_devices_computes_the_same_attention(path):
+    """--cpu-devices times each path per head shard: the same function, output and gradients."""
+    from fibjax.bench import attention as attn_bench
+
+    case = attn_bench.Case(seq_len=64, sparse_block=8, sparse_blocks=3, nsa_window=7)
+    mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+    f = attn_bench.PATHS[path](case)
+    alpha = np.float32(case.alpha)
+    whole, split = attn_bench.inputs(case), attn_bench.inputs(case, mesh)
+    assert split[0].sharding.spec[2] == "tensor"
+    per_shard = attn_bench._per_head_shard(f, mesh)
+    for want_fn, got_fn in ((f, per_shard), (attn_bench.forward_backward(f), attn_bench.forward_backward(per_shard))):
+        got, want = jax.jit(got_fn)(*split, alpha), jax.jit(want_fn)(*whole, alpha)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_devices_run_the_bench_on_that_many_devices():
+    """A fresh process: the devices are made before JAX's backend starts (the suite's own 8 are
+    already up in this one, which the next test covers)."""
+    cmd = [sys.executable, "-m", "launch.bench", "attention", "--seq", "64", "--paths", "dense,block_sparse", "--repeats", "1", "--cpu-devices", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "devices=[CpuDevice(id=0), CpuDevice(id=1)]" in out.stdout
+    assert re.search(r"\| 64 \| block_sparse / dense \| [\d.]+ \| [\d.]+ \|", out.stdout)
+
+
+def test_cpu_devices_refused_once_the_backend_is_up(capsys):
+    assert len(jax.devices()) == 8  # the suite's devices are up (and stay 8 for this worker's other tests)
+    with pytest.raises(RuntimeError, match="cannot make 2 CPU devices"):
+        bench.main(["attention", "--seq", "64", "--paths", "dense", "--cpu-devices", "2"])

@@ -14,6 +14,9 @@ and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal
 ``scaled_dot_product_attention`` on the same inputs, timed by torch (the row appears when torch is
 installed: ``pip install torch``); ``dense / torch_sdpa`` is the dense XLA path's distance from it. GB/s is the compulsory HBM traffic (``traffic_bytes``)
 over the time: what a memory-bound kernel should drive towards the device's peak.
+``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
+share of the heads (``_per_head_shard``): XLA:CPU gives each device a thread of its own, which
+uses a machine's cores better than the threads within one device (BUILD_NOTES, "Dense").
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
+from fibjax.attention.sharded import HEAD_AXIS
 from fibjax.bench import torch_sdpa
 from fibjax.bench.timing import Measurement, Timer, ratio
 
@@ -170,7 +175,31 @@ def default_paths() -> list[str]:
     return [*PATHS, *external]
 
 
-def inputs(case: Case):
+def cpu_head_mesh(devices: int) -> jax.sharding.Mesh:
+    """A mesh of ``devices`` CPU devices along the tensor (head) axis. Must run before anything
+    starts JAX's backend (``jax_num_cpu_devices`` is read once, when the CPU client is made)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError as e:  # the backend is already up with its own count
+        raise RuntimeError(f"cannot make {devices} CPU devices: JAX's backend started first ({e})") from None
+    if jax.default_backend() != "cpu" or len(jax.devices()) != devices:
+        raise RuntimeError(f"--cpu-devices {devices} needs the CPU backend; got {jax.default_backend()} with {len(jax.devices())} devices")
+    return jax.make_mesh((devices,), (HEAD_AXIS,))
+
+
+def _per_head_shard(f: Callable, mesh: jax.sharding.Mesh) -> Callable:
+    """``f`` on each device's KV heads and their query heads (attention is independent per head)."""
+    heads = P(None, None, HEAD_AXIS, None)
+    return jax.shard_map(f, mesh=mesh, in_specs=(heads, heads, heads, P()), out_specs=heads, check_vma=False)
+
+
+def inputs(case: Case, mesh: jax.sharding.Mesh | None = None):
+    """q, k, v of the case; with ``mesh``, their heads split over its tensor axis."""
+    if mesh is not None:
+        if case.kv_heads % mesh.size:
+            raise ValueError(f"{mesh.size} devices do not divide the {case.kv_heads} KV heads")
+        heads = jax.sharding.NamedSharding(mesh, P(None, None, HEAD_AXIS, None))
+        return tuple(jax.device_put(x, heads) for x in inputs(case))
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
     dt = jnp.dtype(case.dtype)
     return (
@@ -198,14 +227,17 @@ def traffic_bytes(case: Case, mode: str) -> int:
     return fwd if mode == "fwd" else fwd + (4 * q_out + 4 * kv + lse)
 
 
-def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1) -> dict[tuple[str, str], Measurement]:
+def run(
+    case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1, mesh: jax.sharding.Mesh | None = None
+) -> dict[tuple[str, str], Measurement]:
     """Measure every path in ``paths`` for one case: {(path, "fwd"|"fwd+bwd"): Measurement};
     ``progress`` hears one line per path after the last round. The paths are compiled (warmed
     up) once and timed in turn, ``rounds`` times, and each reports the median of its rounds'
     medians; a ratio of two of them is the median of the per-round ratios (``timing.ratio``), so
     a load that comes and goes falls on both alike.
-    External paths (``torch_sdpa``) join the same rounds."""
-    q, k, v = inputs(case)
+    External paths (``torch_sdpa``) join the same rounds. With ``mesh`` (``cpu_head_mesh``) the
+    JAX paths run per head shard, one shard a device."""
+    q, k, v = inputs(case, mesh)
     alpha = jnp.float32(case.alpha)
     results, timers = {}, {}
     for name in paths:
@@ -218,6 +250,10 @@ def run(case: Case, paths: list[str], repeats: int, progress: Callable[[str], No
             continue
         try:
             f = PATHS[name](case)
+            if mesh is not None:
+                if name.endswith("_pallas"):
+                    raise Unavailable("--cpu-devices times the XLA paths only")
+                f = _per_head_shard(f, mesh)
         except Unavailable as e:
             progress(f"seq {case.seq_len} {name}: skipped ({e})")
             continue
