@@ -112,9 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         print(formulations.run(args.seq, args.repeats))
         return 0
 
-    if args.cpu_devices < 1:
-        parser.error(f"--cpu-devices must be >= 1, got {args.cpu_devices}")
-    mesh = attn_bench.cpu_head_mesh(args.cpu_devices) if args.cpu_devices > 1 else None
+    if args.cpu_devices < 1 or args.kv_heads % args.cpu_devices:
+        parser.error(f"--cpu-devices must be >= 1 and divide --kv-heads {args.kv_heads}, got {args.cpu_devices}")
+    try:
+        mesh = attn_bench.cpu_head_mesh(args.cpu_devices) if args.cpu_devices > 1 else None
+    except RuntimeError as e:
+        parser.error(str(e))
     paths = [x for x in (args.paths or ",".join(attn_bench.default_paths())).split(",") if x]
     known = [*attn_bench.PATHS, *attn_bench.EXTERNAL]
     if unknown := sorted(set(paths) - set(known)):
