@@ -90,6 +90,24 @@ def test_gradients_match_oracle(dtype, case):
         _close(g, r, bo.GRAD_TOL[dtype])
 
 
+def test_scores_far_above_the_own_block_take_the_exact_two_pass_forward():
+    """The forward exponentiates against each query's own-block maximum; here an earlier block
+    scores ~700 above it, so that sum overflows float32 and the two-pass forward must take over
+    (removing the fallback fails this test: NaN)."""
+    q, k, v = bo.dyadic_qkv(KEY, 1, 32, 2, 1, 8)
+    q, k = jnp.full_like(q, 24.0), k.at[:, 4:].set(-3.0).at[:, :4].set(8.0)
+    scores = np.asarray(bo.selection_scores(q, k, 4))  # q . mean(K_b), unscaled
+    assert (scores[0, 8:, 0, 0] - scores[0, 8:, 0, 1]).min() / np.sqrt(8) > 88 * 2  # past e^88 for both heads
+    out, lse = block_sparse_attention(q, k, v, block_size=4, num_blocks=2, return_lse=True)
+    ref, ref_lse = bo.block_sparse_reference(q, k, v, 4, 2)
+    assert np.all(np.isfinite(np.asarray(out)))
+    _close(out, ref, bo.TOL[jnp.float32])
+    _close(lse, ref_lse, bo.TOL[jnp.float32])
+    w = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    for g, r in zip(_grads(q, k, v, w, block_size=4, num_blocks=2), _reference_grads(q, k, v, w, 4, 2)):
+        _close(g, r, bo.GRAD_TOL[jnp.float32])
+
+
 def test_query_chunks_change_nothing():
     """The lax.map path (several chunks, ragged padding) equals one chunk, forward and backward."""
     q, k, v = bo.dyadic_qkv(KEY, *SHAPE)

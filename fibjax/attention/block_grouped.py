@@ -42,11 +42,19 @@ class Layout(NamedTuple):
     """Where each (query, block) pair sits in the tiles (integers; no gradient).
     ``rows`` [X * R]: the query row of each tile slot, W (one past the last row) if empty;
     ``blocks`` [X]: the key block each tile reads;
-    ``slots`` [B, K, T, S]: each pair's tile slot, X * R if the query's slot is empty."""
+    ``dest``, ``pairs`` [B K, T S]: each head's pairs in block order, their tile slot (X * R if the
+    query's slot is empty) and their index t S + s (only the two-pass forward needs them: ``slots``)."""
 
     rows: Array
     blocks: Array
-    slots: Array
+    dest: Array
+    pairs: Array
+
+
+def slots(layout: Layout, shape_BKTS: tuple[int, ...]) -> Array:
+    """[B, K, T, S]: each pair's tile slot, X * R if the query's slot is empty."""
+    heads, p = layout.pairs.shape
+    return jnp.zeros((heads, p), jnp.int32).at[jnp.arange(heads)[:, None], layout.pairs].set(layout.dest).reshape(shape_BKTS)
 
 
 def tiling(pairs: int, blocks: int, tile: int, chunk: int) -> tuple[int, int]:
@@ -93,10 +101,9 @@ def pair_layout(idx_BKTS: Array, num_blocks: int, *, tile: int = TILE, chunk: in
     head_H1 = jnp.arange(heads, dtype=jnp.int32)[:, None]
     row_HP = ((head_H1 // kh) * t + pair_HP // s) * kh + head_H1 % kh
     rows = jnp.full(x * tile + 1, b * t * kh, jnp.int32).at[dest_HP].set(row_HP)[:-1]
-    slots = jnp.zeros((heads, p), jnp.int32).at[head_H1, pair_HP].set(dest_HP).reshape(b, kh, t, s)
     # tile i reads the block whose tiles end first after i; unused tiles clamp to the last block
     blocks = jnp.searchsorted(tile_end_HN.reshape(-1), jnp.arange(x, dtype=jnp.int32), side="right")
-    return Layout(rows, jnp.minimum(blocks, heads * num_blocks - 1).astype(jnp.int32), slots)
+    return Layout(rows, jnp.minimum(blocks, heads * num_blocks - 1).astype(jnp.int32), dest_HP, pair_HP)
 
 
 def _chunks(layout: Layout, tile: int, chunk: int) -> tuple[Array, Array]:
@@ -158,8 +165,48 @@ def _lse(s_XJ: Array) -> Array:
     return m_X + jnp.log(jnp.sum(jnp.exp(s_XJ - m_X[..., None]), axis=-1))
 
 
-def _forward(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chunk: int):
-    """(out [B,T,K,G,D] float32, lse [B,T,K,G]) of the pre-scaled queries."""
+def _own_block_max(q_BTKGD: Array, k_BTKD: Array, block: int) -> Array:
+    """[B,T,K,G]: each query's largest score in its own block (keys nJ .. t, never empty), a lower
+    bound on its lse: the one-pass forward's reference. Dense per block (T x J scores, no gather)."""
+    b, t, kh, g, d = q_BTKGD.shape
+    n = t // block
+    q_BNIKGD, k_BNJKD = q_BTKGD.reshape(b, n, block, kh, g, d), k_BTKD.reshape(b, n, block, kh, d)
+    s = jnp.einsum("bnikgd,bnjkd->bnkgij", q_BNIKGD, k_BNJKD, preferred_element_type=stats_dtype(q_BTKGD))
+    causal_IJ = jnp.arange(block)[:, None] >= jnp.arange(block)[None, :]
+    m_BNKGI = jnp.max(jnp.where(causal_IJ, s, -jnp.inf), axis=-1)
+    return jnp.moveaxis(m_BNKGI, -1, 2).reshape(b, t, kh, g)
+
+
+def _forward_one_pass(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chunk: int):
+    """(out, lse, ok): one pass, every exponent taken against the query's own-block maximum m
+    instead of its lse: p~ = exp(s - m), out = sum p~ v / sum p~, lse = m + log sum p~. A key
+    that underflows has probability below e^-87 (lse >= m); ``ok`` is False where some score lay
+    so far above m that a sum overflowed (then the caller takes ``_forward_two_pass``)."""
+    b, t, kh, g, d = q_BTKGD.shape
+    f32 = stats_dtype(q_BTKGD)
+    shape = _Shape(b * t * kh, t, kh, t // block, block)
+    m_BTKG = _own_block_max(q_BTKGD, k_BTKD, block)
+    # per query row: q and m (one gather a chunk)
+    row_WGC = jnp.concatenate([q_BTKGD.reshape(-1, g, d).astype(f32), m_BTKG.reshape(-1, g, 1)], axis=-1)
+    kT_ZDJ, v_ZJD = _blocks_of(k_BTKD.astype(f32), block, transpose=True), _blocks_of(v_BTKD.astype(f32), block)
+
+    def step(acc_WGC, xs):
+        rows_Z, blocks_X = xs
+        row_XRGC = _gather_rows(row_WGC, rows_Z, tile)
+        s_XRGJ = _tile_scores(row_XRGC[..., :d], kT_ZDJ[blocks_X])
+        p_XRGJ = jnp.where(_visible(rows_Z, blocks_X, shape), jnp.exp(s_XRGJ - row_XRGC[..., d, None]), 0.0)
+        o_XRGD = jnp.einsum("xrgj,xjd->xrgd", p_XRGJ, v_ZJD[blocks_X])
+        return _scatter_rows(acc_WGC, rows_Z, jnp.concatenate([o_XRGD, jnp.sum(p_XRGJ, axis=-1, keepdims=True)], axis=-1)), None
+
+    acc_WGC, _ = jax.lax.scan(step, jnp.zeros((shape.rows, g, d + 1), f32), _chunks(layout, tile, chunk))
+    o_WGD, l_WG = acc_WGC[..., :d], acc_WGC[..., d]
+    ok = jnp.all(jnp.isfinite(acc_WGC))  # every query sees its own block: l >= 1
+    return (o_WGD / l_WG[..., None]).reshape(b, t, kh, g, d), m_BTKG + jnp.log(l_WG).reshape(b, t, kh, g), ok
+
+
+def _forward_two_pass(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chunk: int):
+    """(out [B,T,K,G,D] float32, lse [B,T,K,G]) of the pre-scaled queries, exact at any score
+    range: pass 1 keeps the tile scores and joins each query's lse, pass 2 adds exp(s - lse) v."""
     b, t, kh, g, d = q_BTKGD.shape
     f32 = stats_dtype(q_BTKGD)
     shape = _Shape(b * t * kh, t, kh, t // block, block)
@@ -172,11 +219,12 @@ def _forward(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chu
         return jnp.where(_visible(rows_Z, blocks_X, shape), _tile_scores(_gather_rows(q_WGD, rows_Z, tile), kT_ZDJ[blocks_X]), -jnp.inf)
 
     s_MXRGJ = jax.lax.map(scores, chunks)
-    lse_BKTSG = jnp.take(_lse(s_MXRGJ).reshape(-1, g), layout.slots, axis=0, mode="fill", fill_value=-jnp.inf)
+    slots_BKTS = slots(layout, (b, kh, t, layout.pairs.shape[1] // t))
+    lse_BKTSG = jnp.take(_lse(s_MXRGJ).reshape(-1, g), slots_BKTS, axis=0, mode="fill", fill_value=-jnp.inf)
     lse_BTKG = jnp.transpose(_lse(jnp.swapaxes(lse_BKTSG, 3, 4)), (0, 2, 1, 3))  # every query sees itself: finite
     # pass 2: each slot's query lse by a scatter (empty slots +inf: p = 0); p V into the query's row
     lse_each_BKTSG = jnp.broadcast_to(jnp.transpose(lse_BTKG, (0, 2, 1, 3))[:, :, :, None], lse_BKTSG.shape)
-    lse_MXRG = jnp.full((layout.rows.shape[0], g), jnp.inf, f32).at[layout.slots].set(lse_each_BKTSG, mode="drop").reshape(s_MXRGJ.shape[:-1])
+    lse_MXRG = jnp.full((layout.rows.shape[0], g), jnp.inf, f32).at[slots_BKTS].set(lse_each_BKTSG, mode="drop").reshape(s_MXRGJ.shape[:-1])
 
     def accumulate(o_WGD, xs):
         rows_Z, blocks_X, s_XRGJ, lse_XRG = xs
@@ -184,6 +232,14 @@ def _forward(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chu
 
     o_WGD, _ = jax.lax.scan(accumulate, jnp.zeros(q_WGD.shape, f32), (*chunks, s_MXRGJ, lse_MXRG))
     return o_WGD.reshape(b, t, kh, g, d), lse_BTKG
+
+
+def _forward(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile: int, chunk: int):
+    """(out [B,T,K,G,D] float32, lse [B,T,K,G]) of the pre-scaled queries: the one-pass forward,
+    or the two-pass one where a score lies more than ~88 above its query's own-block maximum (a
+    sum overflowed float32; one ``lax.cond``, so only one of them runs)."""
+    o, lse, ok = _forward_one_pass(q_BTKGD, k_BTKD, v_BTKD, layout, block, tile, chunk)
+    return jax.lax.cond(ok, lambda: (o, lse), lambda: _forward_two_pass(q_BTKGD, k_BTKD, v_BTKD, layout, block, tile, chunk))
 
 
 def _attend_fwd(q_BTKGD, k_BTKD, v_BTKD, layout, block, tile, chunk):
