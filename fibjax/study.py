@@ -31,6 +31,7 @@ from pathlib import Path
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
 from fibjax.errors import FibjaxError
 from fibjax.eval.paired import Comparison
+from fibjax.eval.trend import Trend
 from fibjax.run.curves import curve_values
 
 # Tokens per second assumed for a run when the study has measured none: dense_seed43 trained at
@@ -60,12 +61,17 @@ class Study:
     reference: str | None = None  # the run the report's position gaps are taken against
     # paired tests across seeds, each "a - b" between two models named by their config files
     comparisons: tuple[Comparison, ...] = ()
+    # extrapolation against the training length, each a line of runs (``fibjax.eval.trend``)
+    trends: tuple[Trend, ...] = ()
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"study {self.name}: run names must be unique, repeated: {dup}")
+        unknown = sorted({n for t in self.trends for n in t.runs} - set(names))
+        if unknown:
+            raise ConfigError(f"study {self.name}: trends name runs it does not have: {unknown}")
         if self.reference is not None and self.reference not in names:
             raise ConfigError(f"study {self.name}: reference {self.reference!r} is not one of its runs {names}")
 
@@ -453,6 +459,8 @@ def write_results(study: Study, say=print) -> Path | None:
     path.write_text(json.dumps(summary, indent=1) + "\n")
     if study.comparisons:
         _write_paired(study, finished, statuses, out)
+    if study.trends:
+        _write_trend(study, finished, statuses, out)
     say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
     return path
 
@@ -474,12 +482,18 @@ def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatu
         if key is None:
             continue
         model, seed = key
-        by_dataset = nlls.setdefault(model, {}).setdefault(seed, {})
-        for path in _plain_evals(study, run, statuses[run.name].steps):
-            for dataset, rows in json.loads(path.read_text())["datasets"].items():
-                for row in rows:  # the main evaluation's figure wins where two share a length
-                    by_dataset.setdefault(dataset, {}).setdefault(int(row["length"]), float(row["nll"]))
+        nlls.setdefault(model, {})[seed] = run_nlls(study, run, statuses[run.name].steps)
     return nlls
+
+
+def run_nlls(study: Study, run: StudyRun, steps: int) -> dict[str, dict[int, float]]:
+    """nll[dataset][length] of a run's plain evaluations (``_plain_evals``)."""
+    nll: dict = {}
+    for path in _plain_evals(study, run, steps):
+        for dataset, rows in json.loads(path.read_text())["datasets"].items():
+            for row in rows:  # the main evaluation's figure wins where two share a length
+                nll.setdefault(dataset, {}).setdefault(int(row["length"]), float(row["nll"]))
+    return nll
 
 
 def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], out: Path) -> None:
@@ -496,5 +510,25 @@ def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, Ru
     section = "\n## Paired tests across seeds\n\n" + paired.markdown(results, train_len) + "\n"
     if figure is not None:
         section += f"\n![paired differences]({figure.name})\n"
+    with (out / "report.md").open("a") as f:
+        f.write(section)
+
+
+def _write_trend(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], out: Path) -> None:
+    """length_trend.csv, length_trend.png and the report's section on the study's length trends."""
+    from fibjax.eval import plots, trend
+
+    named = {n for t in study.trends for n in t.runs}
+    runs = {r.name: (study.train_config(r).seq_len, run_nlls(study, r, statuses[r.name].steps)) for r in finished if r.name in named}
+    if not runs:
+        return
+    datasets = sorted(set.intersection(*(set(nll) for _, nll in runs.values())))
+    pts = trend.points(study.trends, runs, datasets)
+    if not pts:
+        return
+    trend.write_csv(pts, out / "length_trend.csv")
+    section = "\n## Extrapolation against the training length\n\n" + trend.markdown(pts, datasets) + "\n"
+    if plots.plot_length_trend(pts, out / "length_trend.png"):
+        section += "\n![length trend](length_trend.png)\n"
     with (out / "report.md").open("a") as f:
         f.write(section)

@@ -250,3 +250,40 @@ def test_the_report_tests_paired_models_across_seeds(tmp_path):
     report = (Path(study.results) / "report.md").read_text()
     assert "## Paired tests across seeds" in report and "| a - a | fineweb | 256 (1x) | 2 | 42: +0.0000, 43: +0.0000 |" in report
     assert (Path(study.results) / "paired.png").exists() and (Path(study.results) / "paired.csv").exists()
+
+
+def test_the_report_draws_extrapolation_against_the_training_length(tmp_path):
+    """A trend's runs (seeds at 256, one run at 512) become one point per training length and
+    multiple: the mean over seeds of the perplexity change at m x that length, from each run's own
+    lengths; a run the study has not finished is left out, and an unknown run name is refused."""
+    from fibjax.eval.trend import Trend
+
+    runs = (StudyRun("a", TINY), StudyRun("a_seed43", TINY, ("seed=43",)), StudyRun("a_512", TINY, ("seq_len=512",)), StudyRun("a_todo", TINY, ("seed=44",)))
+    trends = (Trend("a", ("a", "a_seed43", "a_512", "a_todo")),)
+    study = Study(name="t", runs=runs, workdir=str(tmp_path / "runs"), results=str(tmp_path / "results"), overrides=("steps=100",), trends=trends)
+    finish(study, "a", [30.0, 33.0, 36.0])  # +10%, +20%
+    finish(study, "a_seed43", [30.0, 36.0, 39.0])  # +20%, +30%
+    run_dir = finish(study, "a_512", [20.0, 30.0, 40.0])
+    report = json.loads((run_dir / "eval" / "100.json").read_text())
+    report.update(train_seq_len=512, datasets={"fineweb": rows_for([20.0, 30.0, 40.0], train_len=512)})  # +50%, +100%
+    (run_dir / "eval" / "100.json").write_text(json.dumps(report))
+    write_results(study)
+    out = Path(study.results)
+    text = (out / "report.md").read_text()
+    assert "## Extrapolation against the training length" in text
+    assert "| a | 256 | 2 | +15.0% | +10.0 .. +20.0 | 2 | a, a_seed43 |" in text
+    assert "| a | 256 | 4 | +25.0% | +20.0 .. +30.0 | 2 | a, a_seed43 |" in text
+    assert "| a | 512 | 4 | +100.0% |  | 1 | a_512 |" in text and "a_todo" not in text
+    assert (out / "length_trend.png").stat().st_size > 0 and len((out / "length_trend.csv").read_text().splitlines()) == 1 + 6
+    with pytest.raises(ConfigError, match="trends name runs it does not have"):
+        Study(name="t", runs=runs, trends=(Trend("x", ("a", "nope")),))
+
+
+def test_a_trend_point_needs_every_dataset_at_both_lengths():
+    from fibjax.eval.trend import Trend, points, ppl_change
+
+    nll = {"x": {256: 1.0, 1024: 1.0 + np.log(1.5)}, "y": {256: 2.0, 1024: 2.0}}
+    assert ppl_change(nll, 256, 4, ["x", "y"]) == pytest.approx(25.0)
+    assert ppl_change(nll, 256, 2, ["x"]) is None  # 512 was not evaluated
+    (only,) = points([Trend("t", ("r",))], {"r": (256, nll)}, ["x", "y"], multiples=(2, 4))  # no 2x point
+    assert (only.train_len, only.multiple, only.runs, only.mean) == (256, 4, ("r",), pytest.approx(25.0))

@@ -8,6 +8,7 @@ Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (
 """
 
 from fibjax.eval.paired import Comparison
+from fibjax.eval.trend import Trend
 from fibjax.study import Study, StudyRun
 
 COMMON = ("steps=2000", "checkpoint.every_steps=250", "eval.every_steps=250", "eval.max_tokens=131072")
@@ -60,6 +61,11 @@ def get_study() -> Study:
         comparisons=(
             Comparison("stagger - fixed (W8)", "configs/cpu/fib_stagger_w8.py", "configs/cpu/fib_fixed_w8.py"),
             Comparison("learned - stagger (W8)", "configs/cpu/fib_learned_w8.py", "configs/cpu/fib_stagger_w8.py"),
+        ),
+        # issue 28's second trend: dense and stagger at 256 (every seed) and at 512
+        trends=(
+            Trend("dense", ("dense", "dense_seed43", "dense_seed44", "dense_512")),
+            Trend("fibonacci W8 staggered", ("fib_stagger_w8", *(f"fib_stagger_w8_seed{s}" for s in (43, *SEEDS)), "fib_stagger_w8_512")),
         ),
         runs=(
             # stage 1: the headline claims, with a second seed for the noise

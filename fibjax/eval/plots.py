@@ -421,6 +421,37 @@ def plot_long_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     return _finish_panels(fig, axes, "perplexity change vs 1x (%)", "Extrapolation during training (mean over validation sets)", path)
 
 
+def plot_length_trend(pts, path: Path) -> bool:
+    """A panel per multiple: the change against the training length (log 2), a line per trend,
+    each point the mean over seeds with a bar over their range (``fibjax.eval.trend.points``)."""
+    if not pts:
+        return False
+    multiples = sorted({p.multiple for p in pts})
+    labels = list(dict.fromkeys(p.trend for p in pts))
+    styles = run_styles(labels)
+    lengths = sorted({p.train_len for p in pts})
+    with matplotlib.rc_context(STYLE):
+        fig, axes = _dataset_panels(len(multiples))
+        for ax, m in zip(axes.flat, multiples):
+            ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
+            for label in labels:
+                line = sorted((p for p in pts if p.trend == label and p.multiple == m), key=lambda p: p.train_len)
+                if not line:
+                    continue
+                s = styles[label]
+                x = [p.train_len for p in line]
+                y = [p.mean for p in line]
+                err = [[p.mean - min(p.changes) for p in line], [max(p.changes) - p.mean for p in line]]
+                ax.errorbar(x, y, yerr=err, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, capsize=4, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(t) for t in lengths])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlim(lengths[0] / 1.4, lengths[-1] * 1.4)
+            ax.set_title(f"at {m}x the training length")
+            ax.set_xlabel("training length (tokens, log scale)")
+        return _finish_panels(fig, axes, "perplexity change vs 1x (%)", "Extrapolation against the training length (mean over seeds; bars: their range)", path)
+
+
 def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     """Paper B's law: per run (one panel each), ||o - o_dense|| against the dropped mass of
     sampled queries of every layer, at the first dataset's training length, with the fitted line."""
