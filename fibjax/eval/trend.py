@@ -1,12 +1,12 @@
 """The length trend: does extrapolation get worse as the training length grows?
 
 A ``Trend`` names the runs of one attention: its seeds, and the same recipe trained at other
-lengths. For each run, the perplexity change at m x its own training length over 1x is averaged
-over the validation sets every run of the study scored; per training length, the trend's point is
-the mean over its runs (seeds), drawn with their range. Paper A's dense RoPE collapses at 4x its
-1,024-token training length; at CPU size the change is far smaller, and this is where the study
-shows whether it grows with the training length (``python -m launch.study CONFIG --report``; the figure:
-``fibjax.eval.plots.plot_length_trend``).
+lengths. Each run gives the perplexity change at m x its own training length over 1x (of the
+geometric mean over the validation sets every run of the study scored); per training length, the
+trend's point is the mean over its runs (seeds), drawn with their range. Paper A's dense RoPE
+collapses at 4x its 1,024-token training length; at CPU size the change is far smaller, and this
+is where the study shows whether it grows with the training length (``python -m launch.study
+CONFIG --report``; the figure: ``fibjax.eval.plots.plot_length_trend``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class TrendPoint:
     train_len: int
     multiple: int
     runs: tuple[str, ...]
-    changes: tuple[float, ...]  # per run: the mean over datasets of the perplexity change, percent
+    changes: tuple[float, ...]  # per run: ``ppl_change``, percent
 
     @property
     def mean(self) -> float:
@@ -43,14 +43,16 @@ class TrendPoint:
 
 
 def ppl_change(nll: NLLs, train_len: int, multiple: int, datasets: Sequence[str]) -> float | None:
-    """Mean over ``datasets`` of 100 (exp(NLL(m L) - NLL(L)) - 1); None if a length is missing."""
-    changes = []
+    """100 (exp(mean over ``datasets`` of NLL(m L) - NLL(L)) - 1), the percent change of the
+    datasets' geometric-mean perplexity (as the report's curve during training); None if a
+    dataset lacks either length."""
+    gaps = []
     for d in datasets:
         at = nll.get(d, {})
         if train_len not in at or multiple * train_len not in at:
             return None
-        changes.append(100.0 * math.expm1(at[multiple * train_len] - at[train_len]))
-    return sum(changes) / len(changes) if changes else None
+        gaps.append(at[multiple * train_len] - at[train_len])
+    return 100.0 * math.expm1(sum(gaps) / len(gaps)) if gaps else None
 
 
 def points(trends: Sequence[Trend], runs: Mapping[str, tuple[int, NLLs]], datasets: Sequence[str], multiples: Sequence[int] = (2, 4)) -> list[TrendPoint]:
@@ -72,7 +74,7 @@ def points(trends: Sequence[Trend], runs: Mapping[str, tuple[int, NLLs]], datase
 
 def markdown(pts: Sequence[TrendPoint], datasets: Sequence[str]) -> str:
     lines = [
-        f"Perplexity change at m x the training length over 1x, mean over {', '.join(datasets)};"
+        f"Perplexity change at m x the training length over 1x (geometric mean over {', '.join(datasets)});"
         " per training length the mean over the runs (seeds), their range, and n.",
         "",
         "| attention | trained at | m | change, mean | range | n | runs |",
