@@ -14,9 +14,12 @@ The tiles go in chunks of ``CHUNK`` through ``lax.map`` / ``lax.scan``, so one c
 rows and products are all that is alive at a time (on this CPU a buffer's first touch costs
 about as much as the arithmetic on it: BUILD_NOTES).
 
-* forward, two passes: (1) the tile scores s (kept) and each pair's log-sum-exp, which goes back
-  to its query (a gather by the pair's slot) to give the query's lse; (2) p = exp(s - lse), and
-  p V added into the query's output row (a scatter-add: cheaper than a gather on CPU).
+* forward, one pass: exponents against each query's own-block maximum m (always chosen, so m is
+  at most the lse), [exp(s - m) V | exp(s - m)] added into the query's row (a scatter-add:
+  cheaper than a gather on CPU), then out = acc / l and lse = m + log l. Where a score lies so
+  far above m that a sum overflows, a ``lax.cond`` takes the exact two-pass forward: (1) the tile
+  scores s (kept) and each pair's log-sum-exp, joined per query (a gather by the pair's slot)
+  into the query's lse; (2) p = exp(s - lse), p V added into the query's output row.
 * backward (``jax.custom_vjp``): flash attention's, one pass: p from lse, dq = ds k added into
   the query's row, dk = ds^T q and dv = p^T do added into the tile's block.
 
