@@ -1,4 +1,5 @@
-"""The report's plots: perplexity vs length, NLL by position, alpha per layer, training loss.
+"""The report's plots: perplexity vs length, NLL by position, alpha per layer, training loss, the
+extrapolation curves during training and against the training length.
 
 Every run keeps one colour and marker in every plot (Okabe-Ito, a colour-blind-safe palette;
 markers tell lines apart in grey-scale too). Figures are built with the object API
