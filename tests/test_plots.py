@@ -75,3 +75,17 @@ def test_fit_titles_wraps_a_suptitle_wider_than_a_one_panel_figure():
     fig.suptitle("a long figure title that explains what the shaded band, the dotted line and the thin lines mean")
     plots.fit_titles(fig)
     assert inside_the_figure(fig) == [] and "\n" in fig.get_suptitle()
+
+
+def test_the_alpha_plot_draws_equal_fixed_schedules_once_and_evaluation_variants_not_at_all(tmp_path, drawn):
+    """A study has many seeds of one fixed schedule: one line each made the legend push the panel
+    off the figure. Equal alphas are one line, "RUN (+k alike)"; a run's extra evaluation none."""
+    d = {"d": rows_for([50.0])}
+    paths = [fake_run(tmp_path, n, datasets=d, alphas=(1.0, 1.0, 1.0)) for n in ("a", "b", "c")]
+    paths += [fake_run(tmp_path, "ramp", datasets=d, alphas=(0.5, 1.0, 1.5)), fake_run(tmp_path, "a", datasets=d, alphas=(1.0, 1.0, 1.0), tag="sparse")]
+    runs, _ = rep.load_runs(paths)
+    assert len(runs) == 5
+    assert plots.plot_alpha(runs, tmp_path / "alpha.png", plots.run_styles([r.label for r in runs]))
+    labels = [line.get_label() for line in drawn[0].axes[0].lines if not line.get_label().startswith("_")]
+    assert len(labels) == 2 and labels[0].startswith("a") and labels[0].endswith(" (+2 alike)") and labels[1] == "ramp"
+    assert not inside_the_figure(drawn[0])

@@ -237,18 +237,31 @@ def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunSty
     return _save(fig, path)
 
 
+def _same_alphas(runs) -> list[tuple[object, int]]:
+    """(run, how many more runs share its alphas): runs without a learned start (fixed schedules,
+    every seed alike) that end with equal alphas are drawn once, labelled "RUN (+k alike)"."""
+    groups: dict = {}
+    for r in runs:
+        key = (tuple(r.report["alphas"]), r.label) if r.initial_alphas() else (tuple(r.report["alphas"]),)
+        groups.setdefault(key, []).append(r)
+    return [(rs[0], len(rs) - 1) for rs in groups.values()]
+
+
 def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+    runs = _one_per_workdir(runs)  # evaluation variants of one run share its alphas
     with_alpha = [r for r in runs if any(a is not None for a in r.report["alphas"])]
     if not with_alpha:
         return False
-    fig, axes = _panels(1, width=7.0)
+    lines = _same_alphas(with_alpha)
+    fig, axes = _panels(1, width=9.0)
     ax = axes[0][0]
     ax.axhspan(0.5, 1.5, color="#000000", alpha=0.04, zorder=0)
-    for i, r in enumerate(with_alpha):
+    for i, (r, more) in enumerate(lines):
         s = styles[r.label]
         alphas = r.report["alphas"]
-        layers = np.arange(len(alphas)) + 0.08 * (i - (len(with_alpha) - 1) / 2)  # dodge: equal schedules stay visible
-        ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=r.label)
+        layers = np.arange(len(alphas)) + 0.08 * (i - (len(lines) - 1) / 2)  # dodge: equal schedules stay visible
+        label = r.label + (f" (+{more} alike)" if more else "")
+        ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=label)
         if init := r.initial_alphas():
             ax.plot(
                 layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7, markerfacecolor="white", label=f"{r.label} (init)"
@@ -260,7 +273,10 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     ax.set_ylabel("alpha (rung scale)")
     note = "shaded: the allowed range 0.5–1.5; open markers: a learned run's initial value"
     no_alpha = [r.label for r in runs if r not in with_alpha]
-    ax.set_title(note + (f"\nnot shown (dense attention, no alpha): {', '.join(no_alpha)}" if no_alpha else ""), fontsize=10)
+    if no_alpha:
+        names = ", ".join(no_alpha) if len(no_alpha) <= 3 else f"{len(no_alpha)} runs"
+        note += f"\nnot shown (dense attention, no alpha): {names}"
+    ax.set_title(note, fontsize=10)
     fig.suptitle("Alpha per layer")
     _legend(fig, axes)
     return _save(fig, path)
