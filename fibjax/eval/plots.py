@@ -237,14 +237,16 @@ def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunSty
     return _save(fig, path)
 
 
-def _same_alphas(runs) -> list[tuple[object, int]]:
-    """(run, how many more runs share its alphas): runs without a learned start (fixed schedules,
-    every seed alike) that end with equal alphas are drawn once, labelled "RUN (+k alike)"."""
+def _same_alphas(runs) -> list[tuple[object, list[float] | None, int]]:
+    """(run, its initial alphas if learned, how many more runs share its alphas): runs without a
+    learned start (fixed schedules, every seed alike) that end with equal alphas are drawn once,
+    labelled "RUN (+k alike)"."""
     groups: dict = {}
     for r in runs:
-        key = (tuple(r.report["alphas"]), r.label) if r.initial_alphas() else (tuple(r.report["alphas"]),)
-        groups.setdefault(key, []).append(r)
-    return [(rs[0], len(rs) - 1) for rs in groups.values()]
+        init = r.initial_alphas()
+        key = (tuple(r.report["alphas"]), r.label) if init else (tuple(r.report["alphas"]),)
+        groups.setdefault(key, []).append((r, init))
+    return [(*rs[0], len(rs) - 1) for rs in groups.values()]
 
 
 def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
@@ -256,13 +258,13 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     fig, axes = _panels(1, width=9.0)
     ax = axes[0][0]
     ax.axhspan(0.5, 1.5, color="#000000", alpha=0.04, zorder=0)
-    for i, (r, more) in enumerate(lines):
+    for i, (r, init, more) in enumerate(lines):
         s = styles[r.label]
         alphas = r.report["alphas"]
         layers = np.arange(len(alphas)) + 0.08 * (i - (len(lines) - 1) / 2)  # dodge: equal schedules stay visible
         label = r.label + (f" (+{more} alike)" if more else "")
         ax.plot(layers, alphas, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=7, label=label)
-        if init := r.initial_alphas():
+        if init:
             ax.plot(
                 layers, init, color=s.color, marker=s.marker, linestyle="--", linewidth=1.2, markersize=7, markerfacecolor="white", label=f"{r.label} (init)"
             )
