@@ -147,18 +147,17 @@ def write_csv(results: Sequence[PairedResult], path: Path) -> Path:
 
 def plot(results: Sequence[PairedResult], path: Path, train_len: int) -> Path | None:
     """One panel per (comparison, length): each seed's d per dataset, the mean and its 95% interval."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if not results:
+        return None
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure  # the object API, as plots.py: no pyplot state, no display
 
     comparisons = list(dict.fromkeys(r.comparison for r in results))
     lengths = sorted({r.length for r in results})
-    if not results:
-        return None
     seeds = sorted({s for r in results for s in r.seeds})
-    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(seeds)}
-    fig, axes = plt.subplots(len(comparisons), len(lengths), figsize=(3.2 * len(lengths) + 1, 3.0 * len(comparisons) + 0.6), squeeze=False, sharey="row")
+    colors = {s: colormaps["tab10"](i % 10) for i, s in enumerate(seeds)}
+    fig = Figure(figsize=(3.2 * len(lengths) + 1, 3.0 * len(comparisons) + 0.6))
+    axes = fig.subplots(len(comparisons), len(lengths), squeeze=False, sharey="row")
     for i, comp in enumerate(comparisons):
         for j, length in enumerate(lengths):
             ax = axes[i][j]
@@ -182,5 +181,4 @@ def plot(results: Sequence[PairedResult], path: Path, train_len: int) -> Path | 
     fig.suptitle("Paired differences per seed; black: mean and 95% interval (t, n - 1 df)", fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
