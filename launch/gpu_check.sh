@@ -9,7 +9,9 @@
 #   2. a block-size sweep of the Pallas rows at 16k tokens, fwd+bwd, picking the fastest;
 #   3. python -m launch.bench at 1k..64k, bf16, 8 heads, head dim 64: XLA, Pallas, cuDNN rows;
 #   4. the block-sparse rows at 16k (issue 31: the XLA path, the Pallas kernels forward and
-#      backward, cuDNN dense).
+#      backward, cuDNN dense);
+#   5. if the steps above left time: SSA's training overhead at paper B's shape (1B, 8k tokens,
+#      batch 2), FullAttn against SSA (python -m launch.bench train).
 # Every step has a timeout; the sum stays under the device tool's 600 s per command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,4 +40,12 @@ timeout 45 $PY -m launch.bench attention --seq 16384 --dtype bfloat16 --heads 8 
 echo "== 4. block-sparse (16 blocks of 16), bf16, 16k, K=2"
 timeout 30 $PY -m launch.bench attention --seq 16384 --dtype bfloat16 --heads 8 --kv-heads 2 --head-dim 64 \
   --repeats 5 --paths block_sparse,block_sparse_pallas,cudnn --pallas-blocks "$BEST" | tee -a "$OUT/table.md"
-echo "done"
+echo "== 5. SSA's training overhead, paper B's shape (1B, 8k x 2), bf16, if time is left"
+LEFT=$((575 - SECONDS))
+if [ "$LEFT" -gt 150 ]; then
+  timeout "$LEFT" $PY -m launch.bench train --configs configs/ssa/paper_fullattn.py,configs/ssa/paper_ssa.py \
+    --steps 3 --rounds 2 global_batch=2 | tee -a "$OUT/table.md"
+else
+  echo "skipped: ${LEFT}s left"
+fi
+echo "done in ${SECONDS}s"
