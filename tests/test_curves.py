@@ -56,9 +56,9 @@ def test_the_long_curve_plot_shows_the_perplexity_change_against_tokens(tmp_path
     tokens, change = plots._long_curve(run, 4)
     np.testing.assert_array_equal(tokens, [1000, 2000])
     np.testing.assert_allclose(change, [100 * np.expm1(0.1), 100 * np.expm1(-0.1)])  # the mean NLL gap over a and b
-    assert plots.plot_long_curves([run], tmp_path / "long.png", plots.run_styles(["r"])) and (tmp_path / "long.png").stat().st_size > 0
+    assert plots.plot_long_curves([run], tmp_path / "long.png") and (tmp_path / "long.png").stat().st_size > 0
     no_curve = SimpleNamespace(label="r", workdir=tmp_path, metrics=metrics[:1])
-    assert not plots.plot_long_curves([no_curve], tmp_path / "none.png", plots.run_styles(["r"]))
+    assert not plots.plot_long_curves([no_curve], tmp_path / "none.png")
 
 
 def test_curve_keys_round_trip_and_other_keys_are_not_curves():

@@ -89,3 +89,21 @@ def test_the_alpha_plot_draws_equal_fixed_schedules_once_and_evaluation_variants
     labels = [line.get_label() for line in drawn[0].axes[0].lines if not line.get_label().startswith("_")]
     assert len(labels) == 2 and labels[0].startswith("a") and labels[0].endswith(" (+2 alike)") and labels[1] == "ramp"
     assert not inside_the_figure(drawn[0])
+
+
+def test_the_long_curve_legend_fits_its_one_panel_figure_and_its_runs_differ_in_colour(tmp_path, drawn):
+    # the study's case: five curves among dozens of runs, long names, one 6.5-inch panel; before,
+    # a four-column legend ran off both edges and runs 8 apart in the study shared one colour
+    from types import SimpleNamespace
+
+    metrics = [{"step": s, "tokens": 1000 * s, "val/a": 5.0, "val_4x/a": 5.0 + 0.01 * s} for s in (1, 2)]
+    names = ["dense_seed44", "fib_fixed_w12", "fib_stagger_w12", "dense_512", "dense_retrofit_stagger_w8"]
+    runs = [SimpleNamespace(label=n, workdir=tmp_path / n, metrics=metrics) for n in names]
+    assert plots.plot_long_curves(runs, tmp_path / "long.png")
+    fig = drawn[0]
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    assert -1 <= box.x0 and box.x1 <= fig.bbox.width + 1, (box, fig.bbox)
+    assert [t.get_text() for t in legend.get_texts()] == names
+    colours = [line.get_color() for line in fig.axes[0].lines[1:]]  # after the zero line
+    assert len(set(colours)) == len(names)

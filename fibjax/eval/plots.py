@@ -69,7 +69,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
             ("Training (and validation) loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
-            ("Extrapolation during training", "long_curve.png", lambda p: plot_long_curves(runs, p, styles)),
+            ("Extrapolation during training", "long_curve.png", lambda p: plot_long_curves(runs, p)),
             ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p, styles)),
         ):
             if fn(out / name):
@@ -107,8 +107,16 @@ def _legend(fig: Figure, axes) -> None:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
             labels.setdefault(lab, lab)
-    if handles:
-        fig.legend(list(handles.values()), list(labels), loc="outside lower center", ncols=min(4, len(handles)), frameon=False)
+    if not handles:
+        return
+    # as many columns (up to 4) as fit the figure's width: a centred legend wider than the figure
+    # loses its first handles and last labels off the two edges
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for ncols in range(min(4, len(handles)), 0, -1):
+        legend = fig.legend(list(handles.values()), list(labels), loc="outside lower center", ncols=ncols, frameon=False)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= 0.98 * fig.bbox.width:
+            return
+        legend.remove()
 
 
 def _log_y(ax) -> None:
@@ -420,13 +428,16 @@ def _long_curve(run, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array([p[0] for p in points]), np.array([p[1] for p in points])
 
 
-def plot_long_curves(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+def plot_long_curves(runs, path: Path) -> bool:
     """The validation curve beyond the training length (``eval.curve_multipliers``): how much
     worse the perplexity is at m x the training length than at 1x, against tokens seen."""
     runs = _one_per_workdir(runs)
     mults = multipliers([m for r in runs for m in r.metrics])
     if not mults:
         return False
+    # a style per run drawn (a handful of a study's dozens): with the study-wide styles, runs 8
+    # apart share colour and marker and two dense curves read as one
+    styles = run_styles([r.label for r in runs if any(len(_long_curve(r, m)[0]) for m in mults)])
     fig, axes = _dataset_panels(len(mults))
     for ax, mult in zip(axes.flat, mults):
         ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
