@@ -107,3 +107,21 @@ def test_the_long_curve_legend_fits_its_one_panel_figure_and_its_runs_differ_in_
     assert [t.get_text() for t in legend.get_texts()] == names
     colours = [line.get_color() for line in fig.axes[0].lines[1:]]  # after the zero line
     assert len(set(colours)) == len(names)
+
+
+def test_evaluations_of_one_checkpoint_at_other_lengths_are_one_line(tmp_path, drawn):
+    # a study's extra "--lengths 256,2048,4096" evaluation continues its run's line; an evaluation
+    # with other settings (here RoPE scaling) keeps a line of its own
+    base = fake_run(tmp_path, "dense", datasets={"d": rows_for([10.0, 11.0, 12.0], train_len=256)}, train_len=256)
+    report = json.loads((base / "eval" / "100.json").read_text())
+    rows = [{**r, "length": n} for r, n in zip(rows_for([10.0, 15.0, 20.0], train_len=256), (256, 2048, 4096))]
+    longer = {**report, "lengths": [256, 2048, 4096], "datasets": {"d": rows}}
+    (base / "eval" / "100-lengths.json").write_text(json.dumps(longer))
+    (base / "eval" / "100-yarn.json").write_text(json.dumps({**report, "rope": {"scaling": "yarn"}}))
+    runs, _ = rep.load_runs([base / "eval" / f for f in ("100.json", "100-lengths.json", "100-yarn.json")])
+    assert len(runs) == 3
+    assert plots.plot_ppl_vs_length(runs, ["d"], tmp_path / "ppl.png", plots.run_styles([r.label for r in runs]))
+    lines = {line.get_label(): line for line in drawn[0].axes[0].lines if not line.get_label().startswith("_")}
+    assert sorted(lines) == sorted([runs[0].label, runs[2].label])
+    np.testing.assert_array_equal(lines[runs[0].label].get_xdata(), [256, 512, 1024, 2048, 4096])
+    np.testing.assert_allclose(lines[runs[0].label].get_ydata(), [10.0, 11.0, 12.0, 15.0, 20.0])

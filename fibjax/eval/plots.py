@@ -9,6 +9,7 @@ markers tell lines apart in grey-scale too). Figures are built with the object A
 from __future__ import annotations
 
 import io
+import json
 import math
 import textwrap
 from dataclasses import dataclass
@@ -170,13 +171,32 @@ def _save(fig: Figure, path: Path) -> bool:
     return True
 
 
+# an evaluation's settings, less what depends on the lengths it scored
+_LENGTH_KEYS = ("lengths", "datasets", "new_distances")
+
+
+def _lengths_joined(runs) -> list[tuple[object, dict[str, list[dict]]]]:
+    """(run, its rows per dataset by length): evaluations of one checkpoint that differ only in
+    their lengths (a study's extra ``--lengths`` evaluation) are one line, under the first one's
+    label; any other difference (inference mode, RoPE scaling, token count) keeps its own line."""
+    joined: dict[tuple, tuple[object, dict]] = {}
+    for r in runs:
+        settings = json.dumps({k: v for k, v in r.report.items() if k not in _LENGTH_KEYS}, sort_keys=True, default=str)
+        _, rows = joined.setdefault((str(r.workdir), settings), (r, {}))
+        for d in r.report["datasets"]:
+            have = {row["length"] for row in rows.get(d, [])}
+            rows.setdefault(d, []).extend(row for row in r.rows(d) if row["length"] not in have)
+    return [(r, {d: sorted(v, key=lambda row: row["length"]) for d, v in rows.items()}) for r, rows in joined.values()]
+
+
 def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle]) -> bool:
     fig, axes = _dataset_panels(len(datasets))
     train_lens = {r.train_len for r in runs}
+    lines = _lengths_joined(runs)
     for ax, d in zip(axes.flat, datasets):
         lengths, ppls = set(), []
-        for r in runs:
-            rows = r.rows(d)
+        for r, rows_by_dataset in lines:
+            rows = rows_by_dataset.get(d, [])
             if not rows:
                 continue
             s = styles[r.label]
