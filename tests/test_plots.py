@@ -125,3 +125,15 @@ def test_evaluations_of_one_checkpoint_at_other_lengths_are_one_line(tmp_path, d
     assert sorted(lines) == sorted([runs[0].label, runs[2].label])
     np.testing.assert_array_equal(lines[runs[0].label].get_xdata(), [256, 512, 1024, 2048, 4096])
     np.testing.assert_allclose(lines[runs[0].label].get_ydata(), [10.0, 11.0, 12.0, 15.0, 20.0])
+
+
+def test_fit_titles_wraps_a_panel_title_wider_than_its_panel():
+    # the error-law figure's three panel titles ran into one another: each fits the figure, not its panel
+    fig, axes = plots._panels(3, width=4.0)
+    for ax in axes.flat:
+        ax.set_title("ssa_fullattn [study-inference-mode_sparse_dropped-mass_max-tokens_32768]: slope 1.25, min R2 0.59")
+    plots.fit_titles(fig)
+    fig.draw_without_rendering()
+    boxes = [ax.title.get_window_extent() for ax in axes.flat]
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), boxes
+    assert all("\n" in ax.get_title() for ax in axes.flat)

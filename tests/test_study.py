@@ -157,7 +157,7 @@ def test_the_summary_keeps_the_error_law_points_only_where_the_plot_draws_them()
 
 
 def test_a_run_restored_from_the_summary_draws_the_same_error_law_plot(tmp_path):
-    from fibjax.eval.plots import RunStyle, plot_error_law
+    from fibjax.eval.plots import plot_error_law
     from fibjax.eval.report import RunEval
     from fibjax.study import _summary_of
 
@@ -168,10 +168,9 @@ def test_a_run_restored_from_the_summary_draws_the_same_error_law_plot(tmp_path)
         return {"slope": slope, "r2": 0.9, "points": {"mass": mass.tolist(), "error": (slope * mass + rng.normal(0, 0.02, 64)).tolist()}}
 
     report = {"train_seq_len": 256, "error_law": {ds: {n: [layer(0.3), layer(0.5)] for n in ("256", "512")} for ds in ("fineweb", "wiki")}}
-    style = {"ssa": RunStyle(color="C0", marker="o", linestyle="-")}
     drawn = []
     for i, rep in enumerate((report, _summary_of(report))):
-        assert plot_error_law([RunEval("ssa", tmp_path, tmp_path, rep, [])], tmp_path / f"{i}.png", style)
+        assert plot_error_law([RunEval("ssa", tmp_path, tmp_path, rep, [])], tmp_path / f"{i}.png")
         drawn.append((tmp_path / f"{i}.png").read_bytes())
     assert drawn[0] == drawn[1]
 

@@ -71,7 +71,7 @@ def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tu
             ("Training (and validation) loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
             ("Extrapolation during training", "long_curve.png", lambda p: plot_long_curves(runs, p)),
-            ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p, styles)),
+            ("Attention error vs dropped mass", "error_law.png", lambda p: plot_error_law(runs, p)),
         ):
             if fn(out / name):
                 made.append((title, out / name))
@@ -137,18 +137,22 @@ def _span_at_least(ax, lo: float, hi: float, fraction: float) -> None:
 
 
 def fit_titles(fig: Figure, *, rounds: int = 3) -> None:
-    """Wrap every title (the figure's and each panel's) that runs past the figure's edges.
-    Constrained layout makes room for a title's height but not its width: a long one is cut."""
+    """Wrap every title (the figure's and each panel's) that runs past the figure's edges, or
+    past its panel's width into the next panel's title. Constrained layout makes room for a
+    title's height but not its width: a long one is cut, or overlaps its neighbour."""
     FigureCanvasAgg(fig)  # a renderer to measure text with
     for _ in range(rounds):
         fig.draw_without_rendering()
         width, clipped = fig.bbox.width, []
-        for text in [*fig.texts, *(ax.title for ax in fig.axes if ax.get_visible())]:
+        titles = [(text, None) for text in fig.texts] + [(ax.title, ax) for ax in fig.axes if ax.get_visible()]
+        for text, ax in titles:
             if not text.get_text() or text.get_horizontalalignment() != "center":
                 continue
             box = text.get_window_extent()
             centre = (box.x0 + box.x1) / 2
             room = 0.97 * 2 * min(centre, width - centre)  # centred text: twice the distance to the nearer edge
+            if ax is not None:
+                room = min(room, 1.05 * ax.bbox.width)
             if box.width > room:
                 clipped.append((text, room / box.width))
         if not clipped:
@@ -502,7 +506,7 @@ def plot_length_trend(pts, path: Path) -> bool:
         return _finish_panels(fig, axes, "perplexity change vs 1x (%)", "Extrapolation against the training length (mean over seeds; bars: their range)", path)
 
 
-def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
+def plot_error_law(runs, path: Path) -> bool:
     """Paper B's law: per run (one panel each), ||o - o_dense|| against the dropped mass of
     sampled queries of every layer, at the first dataset's training length, with the fitted line."""
     from fibjax.eval.error_law import plotted  # (error_law imports JAX: only this plot needs it)
@@ -515,6 +519,7 @@ def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
             panels.append((r, layers))
     if not panels:
         return False
+    styles = run_styles([r.label for r, _ in panels])  # the runs drawn, not the study's dozens (no yellow for three)
     fig, axes = _dataset_panels(len(panels))
     for ax, (r, layers) in zip(axes.flat, panels):
         mass = np.concatenate([x["points"]["mass"] for x in layers])
@@ -523,6 +528,6 @@ def plot_error_law(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
         slope = float(np.mean([x["slope"] for x in layers]))
         top = float(mass.max()) if mass.size else 1.0
         ax.plot([0, top], [0, slope * top], color=GUIDE, linestyle="--", linewidth=1.2, label="fit (mean slope)")
-        ax.set_title(f"{r.label}: slope {slope:.2f}, min R$^2$ {min(x['r2'] for x in layers):.2f}")
+        ax.set_title(f"{r.label}\nslope {slope:.2f}, min R$^2$ {min(x['r2'] for x in layers):.2f}")
         ax.set_xlabel("dropped mass")
     return _finish_panels(fig, axes, "||o - o_dense||", "Attention error vs dropped mass, every layer (paper B)", path)
