@@ -459,14 +459,15 @@ def plot_long_curves(runs, path: Path) -> bool:
     mults = multipliers([m for r in runs for m in r.metrics])
     if not mults:
         return False
+    curves = {(r.label, m): _long_curve(r, m) for r in runs for m in mults}
     # a style per run drawn (a handful of a study's dozens): with the study-wide styles, runs 8
     # apart share colour and marker and two dense curves read as one
-    styles = run_styles([r.label for r in runs if any(len(_long_curve(r, m)[0]) for m in mults)])
+    styles = run_styles([r.label for r in runs if any(len(curves[r.label, m][0]) for m in mults)])
     fig, axes = _dataset_panels(len(mults))
     for ax, mult in zip(axes.flat, mults):
         ax.axhline(0, color=GUIDE, linewidth=1.2, zorder=0)
         for r in runs:
-            tokens, change = _long_curve(r, mult)
+            tokens, change = curves[r.label, mult]
             if len(tokens):
                 s = styles[r.label]
                 ax.plot(tokens / 1e6, change, color=s.color, marker=s.marker, linestyle=s.linestyle, linewidth=2, markersize=5, label=r.label)
