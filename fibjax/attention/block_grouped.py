@@ -133,7 +133,6 @@ class _Shape(NamedTuple):
 
     rows: int  # W = B T K
     seq: int  # T
-    kv_heads: int  # K
     num_blocks: int  # N
     block: int  # J
 
@@ -199,7 +198,7 @@ def _forward_one_pass(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile:
     so far above m that a sum overflowed (then the caller takes ``_forward_two_pass``)."""
     b, t, kh, g, d = q_BTKGD.shape
     f32 = stats_dtype(q_BTKGD)
-    shape = _Shape(b * t * kh, t, kh, t // block, block)
+    shape = _Shape(b * t * kh, t, t // block, block)
     m_BTKG = _own_block_max(q_BTKGD, k_BTKD, block)
     # per query row: q and m (one gather a chunk)
     row_WGC = _rows(jnp.concatenate([q_BTKGD.astype(f32), m_BTKG[..., None]], axis=-1))
@@ -224,7 +223,7 @@ def _forward_two_pass(q_BTKGD, k_BTKD, v_BTKD, layout: Layout, block: int, tile:
     range: pass 1 keeps the tile scores and joins each query's lse, pass 2 adds exp(s - lse) v."""
     b, t, kh, g, d = q_BTKGD.shape
     f32 = stats_dtype(q_BTKGD)
-    shape = _Shape(b * t * kh, t, kh, t // block, block)
+    shape = _Shape(b * t * kh, t, t // block, block)
     q_WGD, kT_ZDJ, v_ZJD = _rows(q_BTKGD), _blocks_of(k_BTKD, block, transpose=True), _blocks_of(v_BTKD.astype(f32), block)
     chunks = _chunks(layout, tile, chunk)
 
@@ -269,7 +268,7 @@ def backward(block, tile, chunk, residuals, cotangents):
     do_BTKGD, dlse_BTKG = cotangents
     b, t, kh, g, d = q_BTKGD.shape
     f32 = stats_dtype(q_BTKGD)
-    shape = _Shape(b * t * kh, t, kh, t // block, block)
+    shape = _Shape(b * t * kh, t, t // block, block)
     # d lse / d s = p, so lse's cotangent joins the softmax's: ds = p (dp - delta + dlse)
     delta_BTKG = jnp.sum(do_BTKGD * o_BTKGD, axis=-1) - dlse_BTKG
     # per query row: q, do, lse, delta (one gather a chunk)
