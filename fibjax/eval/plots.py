@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
+from fibjax.eval.trend import geometric_change
 from fibjax.run.curves import curve_key, curve_values, multipliers
 
 # Okabe & Ito (2008), yellow last: it is hard to see on white.
@@ -447,8 +448,7 @@ def _long_curve(run, multiplier: int) -> tuple[np.ndarray, np.ndarray]:
         short, long = curve_values(m), curve_values(m, multiplier)
         if sources := [s for s in long if s in short]:
             if "tokens" in m:
-                gap = np.mean([long[s] - short[s] for s in sources])
-                points.append((m["tokens"], 100 * float(np.expm1(gap))))
+                points.append((m["tokens"], geometric_change([long[s] - short[s] for s in sources])))
     return np.array([p[0] for p in points]), np.array([p[1] for p in points])
 
 

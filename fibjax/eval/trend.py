@@ -42,17 +42,23 @@ class TrendPoint:
         return sum(self.changes) / len(self.changes)
 
 
+def geometric_change(gaps: Sequence[float]) -> float:
+    """100 (exp(mean gap) - 1): from NLL gaps (nats) over datasets, the percent change of their
+    geometric-mean perplexity. The one average of this figure and of the report's curve during
+    training (``plots.plot_long_curves``)."""
+    return 100.0 * math.expm1(sum(gaps) / len(gaps))
+
+
 def ppl_change(nll: NLLs, train_len: int, multiple: int, datasets: Sequence[str]) -> float | None:
-    """100 (exp(mean over ``datasets`` of NLL(m L) - NLL(L)) - 1), the percent change of the
-    datasets' geometric-mean perplexity (as the report's curve during training); None if a
-    dataset lacks either length."""
+    """``geometric_change`` of NLL(m L) - NLL(L) over ``datasets``; None if a dataset lacks either
+    length."""
     gaps = []
     for d in datasets:
         at = nll.get(d, {})
         if train_len not in at or multiple * train_len not in at:
             return None
         gaps.append(at[multiple * train_len] - at[train_len])
-    return 100.0 * math.expm1(sum(gaps) / len(gaps)) if gaps else None
+    return geometric_change(gaps) if gaps else None
 
 
 def points(trends: Sequence[Trend], runs: Mapping[str, tuple[int, NLLs]], datasets: Sequence[str], multiples: Sequence[int] = (2, 4)) -> list[TrendPoint]:
