@@ -30,6 +30,7 @@ from pathlib import Path
 
 from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
 from fibjax.errors import FibjaxError
+from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
 from fibjax.eval.trend import Trend
 from fibjax.run.curves import curve_values
@@ -63,15 +64,19 @@ class Study:
     comparisons: tuple[Comparison, ...] = ()
     # extrapolation against the training length, each a line of runs (``fibjax.eval.trend``)
     trends: tuple[Trend, ...] = ()
+    # the report's perplexity-vs-length and NLL-by-position figures, one per group of runs
+    # (``fibjax.eval.groups.FigureGroup``); none: one figure of every run
+    figures: tuple[FigureGroup, ...] = ()
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"study {self.name}: run names must be unique, repeated: {dup}")
-        unknown = sorted({n for t in self.trends for n in t.runs} - set(names))
-        if unknown:
-            raise ConfigError(f"study {self.name}: trends name runs it does not have: {unknown}")
+        for what, named in (("trends", {n for t in self.trends for n in t.runs}), ("figures", {n for g in self.figures for n in g.runs})):
+            unknown = sorted(named - set(names))
+            if unknown:
+                raise ConfigError(f"study {self.name}: {what} name runs it does not have: {unknown}")
         if self.reference is not None and self.reference not in names:
             raise ConfigError(f"study {self.name}: reference {self.reference!r} is not one of its runs {names}")
 
@@ -430,7 +435,7 @@ def write_results(study: Study, say=print) -> Path | None:
     # a run's extra evaluations (sparse inference, RoPE scaling) are rows of their own, "RUN [tag]"
     paths = [p for r in finished for p in (study.run_dir(r), *(_extra_eval_path(study.run_dir(r), statuses[r.name].steps, e) for e in r.extra_evals))]
     try:
-        build_report(paths, out, reference=ref)
+        build_report(paths, out, reference=ref, groups=study.figures)
     except ReportError as e:
         raise StudyError(f"the report could not be built: {e}") from e
     summary = {"study": study.name, "overrides": list(study.overrides), "reference": ref, "runs": {}}

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
+from fibjax.config import ConfigError
 from fibjax.eval import passkey, plots
 from fibjax.eval import report as rep
 from tests.helpers import fake_run, inside_the_figure, rows_for
@@ -137,3 +138,49 @@ def test_fit_titles_wraps_a_panel_title_wider_than_its_panel():
     boxes = [ax.title.get_window_extent() for ax in axes.flat]
     assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), boxes
     assert all("\n" in ax.get_title() for ax in axes.flat)
+
+
+def test_figure_groups_draw_each_group_apart_without_the_error_law_repeats(tmp_path, drawn):
+    """A report of many runs draws perplexity vs length and NLL by position once per group: the
+    group's runs in its order, a run's error-law evaluation (fewer tokens, repeating another) left
+    out unless it is the run's only one, the position gaps against the group's own reference."""
+    from fibjax.eval.groups import FigureGroup, group_runs
+
+    d = {"d": rows_for([30.0, 33.0, 36.0])}
+    dirs = [fake_run(tmp_path, n, datasets=d) for n in ("dense", "fib", "ssa")]  # moba: the error law only
+    fake_run(tmp_path, "ssa", datasets=d, tag="sparse")
+    for name in ("ssa", "moba"):  # the error law's evaluation of each
+        path = fake_run(tmp_path / "law", name, datasets=d, tag="law") / "eval" / "100-law.json"
+        report = json.loads(path.read_text())
+        path.write_text(json.dumps({**report, "error_law": {}}))
+        dirs.append(path)
+    longer = json.loads((tmp_path / "fib" / "eval" / "100.json").read_text())  # the same checkpoint at more lengths
+    longer.update(lengths=[1024, 2048], datasets={"d": rows_for([30.0, 40.0])})
+    (tmp_path / "fib" / "eval" / "100-long.json").write_text(json.dumps(longer))
+    extra = [tmp_path / "ssa" / "eval" / "100-sparse.json", tmp_path / "fib" / "eval" / "100-long.json"]
+    runs, _ = rep.load_runs([*dirs, *extra])
+    b = FigureGroup("paper_b", "paper B", ("moba", "ssa"), reference="ssa")
+    assert [(r.report["run"], "error_law" in r.report) for r in group_runs(runs, b)] == [("moba", True), ("ssa", False), ("ssa", False)]
+    a = FigureGroup("paper_a", "paper A", ("dense", "fib"), reference="dense")
+    made = plots.plot_all(runs, ["d"], tmp_path, reference=runs[0], groups=(a, b))
+    names = [p.name for _, p in made]
+    assert names[:4] == ["ppl_vs_length_paper_a.png", "posloss_paper_a.png", "ppl_vs_length_paper_b.png", "posloss_paper_b.png"]
+    assert not (tmp_path / "ppl_vs_length.png").exists() and not (tmp_path / "posloss.png").exists()
+    ppl_b, pos_b = drawn[2], drawn[3]
+    assert ppl_b.get_suptitle() == "Perplexity vs evaluation length: paper B"
+    assert [line.get_label() for line in ppl_b.axes[0].lines if not line.get_label().startswith("_")] == ["moba [law]", "ssa", "ssa [sparse]"]
+    assert pos_b.axes[1].get_title() == "d: minus ssa (> 0: worse)"  # the group's reference, not the report's
+    # fib's evaluation at more lengths is one line with its own, in both figures: one style each
+    for fig in drawn[:2]:
+        assert [line.get_label() for line in fig.axes[0].lines if not line.get_label().startswith("_")] == ["dense", "fib"]
+        assert fig.axes[0].lines[0].get_color() != fig.axes[0].lines[1].get_color()
+    with pytest.raises(ConfigError, match="names files"):
+        FigureGroup("paper b", "x", ("a",))
+    with pytest.raises(ConfigError, match="is not one of its runs"):
+        FigureGroup("b", "x", ("a",), reference="dense")
+
+
+def test_runs_past_the_palette_change_marker_as_well_as_line_style():
+    styles = list(plots.run_styles([str(i) for i in range(10)]).values())
+    assert styles[8].color == styles[0].color and styles[8].marker != styles[0].marker and styles[8].linestyle != styles[0].linestyle
+    assert len({(s.color, s.marker) for s in styles}) == 10

@@ -286,3 +286,20 @@ def test_a_trend_point_needs_every_dataset_at_both_lengths():
     assert ppl_change(nll, 256, 2, ["x"]) is None  # 512 was not evaluated
     (only,) = points([Trend("t", ("r",))], {"r": (256, nll)}, ["x", "y"], multiples=(2, 4))  # no 2x point
     assert (only.train_len, only.multiple, only.runs, only.mean) == (256, 4, ("r",), pytest.approx(100 * (1.5**0.5 - 1)))
+
+
+def test_a_studys_figure_groups_name_its_runs_and_draw_one_figure_each(tmp_path):
+    from fibjax.eval.groups import FigureGroup
+
+    groups = (FigureGroup("two", "dense and fib", ("dense", "fib"), reference="dense"), FigureGroup("seeds", "fib's seeds", ("fib", "fib_seed2")))
+    base = make_study(tmp_path)
+    study = Study(name="t", runs=base.runs, workdir=base.workdir, results=base.results, overrides=base.overrides, figures=groups)
+    for name in ("dense", "fib", "fib_seed2"):
+        finish(study, name, [30.0, 33.0, 36.0])
+    write_results(study)
+    out = Path(study.results)
+    drawn = sorted(p.name for p in out.glob("*.png") if p.name.startswith(("ppl_vs_length", "posloss")))
+    assert drawn == ["posloss_seeds.png", "posloss_two.png", "ppl_vs_length_seeds.png", "ppl_vs_length_two.png"]
+    assert "![Perplexity vs evaluation length: dense and fib](ppl_vs_length_two.png)" in (out / "report.md").read_text()
+    with pytest.raises(ConfigError, match="figures name runs it does not have: \\['nope'\\]"):
+        Study(name="t", runs=study.runs, figures=(FigureGroup("x", "x", ("fib", "nope")),))

@@ -7,6 +7,7 @@ curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens pe
 Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
 """
 
+from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
 from fibjax.eval.trend import Trend
 from fibjax.study import Study, StudyRun
@@ -66,6 +67,37 @@ def get_study() -> Study:
         trends=(
             Trend("dense", ("dense", "dense_seed43", "dense_seed44", "dense_512")),
             Trend("fibonacci W8 staggered", ("fib_stagger_w8", *(f"fib_stagger_w8_seed{s}" for s in (43, *SEEDS)), "fib_stagger_w8_512")),
+        ),
+        # the report's perplexity-vs-length and NLL-by-position figures: 38 evaluations in one
+        # figure are unreadable, so one figure per question (the other seeds: paired.png)
+        figures=(
+            FigureGroup(
+                "paper_a",
+                "paper A's models at 256 tokens (seed 42)",
+                (
+                    "dense",
+                    "fib_fixed_w8",
+                    "fib_stagger_w8",
+                    "fib_learned_w8",
+                    "fib_coprime_w8",
+                    "pow2_fixed_w8",
+                    "pow2_stagger_w8",
+                    "fib_fixed_w12",
+                    "fib_stagger_w12",
+                ),
+                reference="dense",
+            ),
+            FigureGroup(
+                "long",
+                "to 16x, and a dense model retrofitted (seed 44)",
+                ("dense_seed44", "fib_fixed_w8_seed44", "fib_stagger_w8_seed44", "fib_learned_w8_seed44", "dense_retrofit_stagger_w8"),
+                reference="dense_seed44",
+            ),
+            FigureGroup("at_512", "trained at 512 tokens", ("dense_512", "fib_stagger_w8_512"), reference="dense_512"),
+            FigureGroup(
+                "paper_b", "paper B's models at 256 tokens", ("ssa_fullattn", "ssa_moba", "ssa_ssa", "ssa_nsa", "ssa_ssa_fib"), reference="ssa_fullattn"
+            ),
+            FigureGroup("paper_b_1024", "paper B's models continued to 1,024 tokens", ("ssa_fullattn_c1024", "ssa_ssa_c1024"), reference="ssa_fullattn_c1024"),
         ),
         runs=(
             # stage 1: the headline claims, with a second seed for the noise

@@ -2,7 +2,8 @@
 extrapolation curves during training and against the training length.
 
 Every run keeps one colour and marker in every plot (Okabe-Ito, a colour-blind-safe palette;
-markers tell lines apart in grey-scale too). Figures are built with the object API
+markers tell lines apart in grey-scale too); a report of many runs draws its per-run line plots
+per ``FigureGroup``, each group with its own styles. Figures are built with the object API
 (``matplotlib.figure.Figure``), so nothing touches pyplot's global state or needs a display.
 """
 
@@ -21,6 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
 
+from fibjax.eval.groups import FigureGroup, group_runs
 from fibjax.eval.trend import geometric_change
 from fibjax.run.curves import curve_key, curve_values, multipliers
 
@@ -55,19 +57,40 @@ class RunStyle:
 
 
 def run_styles(labels: list[str]) -> dict[str, RunStyle]:
-    """A fixed style per run, in the order given (runs beyond 8 change line style)."""
+    """A fixed style per run, in the order given (runs beyond 8 change line style and marker:
+    the 9th run is not the 1st with dashes alone)."""
     n = len(PALETTE)
-    return {label: RunStyle(PALETTE[i % n], MARKERS[i % n], LINESTYLES[(i // n) % len(LINESTYLES)]) for i, label in enumerate(labels)}
+    return {label: RunStyle(PALETTE[i % n], MARKERS[(i + i // n) % n], LINESTYLES[(i // n) % len(LINESTYLES)]) for i, label in enumerate(labels)}
 
 
-def plot_all(runs, datasets: list[str], out: Path, *, reference=None) -> list[tuple[str, Path]]:
-    """Every plot that the runs have data for: (title, path) in report order."""
+def _line_plots(runs, datasets: list[str], reference, styles, suffix: str = "", title: str = ""):
+    """(title, file name, draw) of the plots that draw one line per run."""
+    tail = f": {title}" if title else ""
+    return (
+        (f"Perplexity vs evaluation length{tail}", f"ppl_vs_length{suffix}.png", lambda p: plot_ppl_vs_length(runs, datasets, p, styles, title)),
+        (f"NLL by position in the window{tail}", f"posloss{suffix}.png", lambda p: plot_posloss(runs, datasets, p, styles, reference, title)),
+    )
+
+
+def plot_all(runs, datasets: list[str], out: Path, *, reference=None, groups: tuple[FigureGroup, ...] = ()) -> list[tuple[str, Path]]:
+    """Every plot that the runs have data for: (title, path) in report order. With ``groups``,
+    perplexity vs length and NLL by position are drawn once per group (``*_NAME.png``, styles
+    per group) instead of once over every run."""
     styles = run_styles([r.label for r in runs])
+    if groups:
+        lines = []
+        for g in groups:
+            members = group_runs(runs, g)
+            if members:
+                ref = next((r for r in members if r.report["run"] == g.reference), None)
+                drawn = run_styles([r.label for r, _ in _lengths_joined(members)])  # one style per line
+                lines += _line_plots(members, datasets, ref, drawn, f"_{g.name}", g.title)
+    else:
+        lines = _line_plots(runs, datasets, reference, styles)
     made = []
     with matplotlib.rc_context(STYLE):
         for title, name, fn in (
-            ("Perplexity vs evaluation length", "ppl_vs_length.png", lambda p: plot_ppl_vs_length(runs, datasets, p, styles)),
-            ("NLL by position in the window", "posloss.png", lambda p: plot_posloss(runs, datasets, p, styles, reference)),
+            *lines,
             ("Alpha per layer", "alpha.png", lambda p: plot_alpha(runs, p, styles)),
             ("Training (and validation) loss", "loss.png", lambda p: plot_loss(runs, p, styles, reference)),
             ("Validation loss during training", "val_loss.png", lambda p: plot_val_curves(runs, p, styles)),
@@ -194,7 +217,7 @@ def _lengths_joined(runs) -> list[tuple[object, dict[str, list[dict]]]]:
     return [(r, {d: sorted(v, key=lambda row: row["length"]) for d, v in rows.items()}) for r, rows in joined.values()]
 
 
-def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle]) -> bool:
+def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle], title: str = "") -> bool:
     fig, axes = _dataset_panels(len(datasets))
     train_lens = {r.train_len for r in runs}
     lines = _lengths_joined(runs)
@@ -223,7 +246,7 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
         ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
         ax.set_title(d)
         ax.set_xlabel("evaluation length (tokens, log scale)")
-    return _finish_panels(fig, axes, "perplexity (lower is better)", "Perplexity vs evaluation length", path)
+    return _finish_panels(fig, axes, "perplexity (lower is better)", "Perplexity vs evaluation length" + (f": {title}" if title else ""), path)
 
 
 def _bin_ticks(runs, nbins: int) -> tuple[list[str], str]:
@@ -235,7 +258,7 @@ def _bin_ticks(runs, nbins: int) -> tuple[list[str], str]:
     return [str(x) for x in starts], "token position in the window (first position of each bin)"
 
 
-def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle], reference=None) -> bool:
+def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunStyle], reference=None, title: str = "") -> bool:
     has = [d for d in datasets if any(r.at_train_len(d) for r in runs)]
     if not has:
         return False
@@ -244,7 +267,7 @@ def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunSty
     ticks, xlabel = _bin_ticks(runs, nbins)
     for j, d in enumerate(has):
         ref_row = reference.at_train_len(d) if reference else None
-        for r in runs:
+        for r, _ in _lengths_joined(runs):  # an evaluation at more lengths scores the same windows
             row = r.at_train_len(d)
             if row is None:
                 continue
@@ -265,7 +288,7 @@ def plot_posloss(runs, datasets: list[str], path: Path, styles: dict[str, RunSty
             ax.set_xticks(np.arange(1, nbins + 1), ticks)
         axes[-1][j].set_xlabel(xlabel)
     lens = sorted({r.train_len for r in runs})
-    fig.suptitle(f"NLL by position, windows of the training length ({', '.join(map(str, lens))} tokens)")
+    fig.suptitle((f"{title}: " if title else "") + f"NLL by position, windows of the training length ({', '.join(map(str, lens))} tokens)")
     _legend(fig, axes)
     return _save(fig, path)
 

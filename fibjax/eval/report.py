@@ -412,9 +412,17 @@ def error_law_table(runs: list[RunEval]) -> Table | None:
 
 
 def build_report(
-    paths: list[str | Path], out: str | Path, *, reference: str | None = None, step: int | None = None, dataset: str | None = None, plots: bool = True
+    paths: list[str | Path],
+    out: str | Path,
+    *,
+    reference: str | None = None,
+    step: int | None = None,
+    dataset: str | None = None,
+    plots: bool = True,
+    groups: tuple = (),
 ) -> Report:
-    """Load the runs, write the CSVs, the PNGs and report.md into ``out``; return all of it."""
+    """Load the runs, write the CSVs, the PNGs and report.md into ``out``; return all of it.
+    ``groups``: ``fibjax.eval.groups.FigureGroup``s for the per-run line plots of many runs."""
     runs, skipped = load_runs(paths, step)
     if not runs:
         raise ReportError("no evaluated run to report on:\n  " + "\n  ".join(skipped))
@@ -429,7 +437,7 @@ def build_report(
     if plots:
         from fibjax.eval import plots as plot_lib
 
-        figures = plot_lib.plot_all(runs, datasets, out, reference=ref)
+        figures = plot_lib.plot_all(runs, datasets, out, reference=ref, groups=groups)
         written += [path for _, path in figures]
     markdown = render_markdown(runs, tables, figures, skipped, ref)
     (out / "report.md").write_text(markdown)
