@@ -28,6 +28,7 @@ def runs(tmp_path_factory):
     for name, attention in (
         ("dense", ["model.attention.kind=dense"]),
         ("fib", ["model.attention.kind=offset", "model.attention.alpha=staggered", "model.attention.window=3"]),
+        ("nsa", ["model.attention.kind=nsa", "model.attention.block_size=8", "model.attention.num_blocks=2", "model.attention.window=3"]),
     ):
         cfg = apply_overrides(TrainConfig(), [*TINY, "steps=3", f"data.path={data}", f"name={name}", "eval.max_tokens=1024", *attention])
         train(cfg, root / name, progress=False)
@@ -204,6 +205,26 @@ def test_inference_mode_budget_and_dropped_mass_through_the_cli(runs, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--workdir", str(runs["dense"]), "--inference-mode", "sparse", "--num-blocks", "0"])
     assert exit_.value.code == 2 and "--num-blocks: must be >= 1" in capsys.readouterr().err
+
+
+def test_dropped_mass_of_nsa_is_its_selected_blocks_and_no_error_law_is_fitted(runs, capsys):
+    """NSA's output mixes three gated branches, so the error law's bound (one softmax over a subset
+    of the causal keys) does not hold for it: --dropped-mass reports the selected branch's mass
+    and says why there is no law, instead of fitting one that means nothing."""
+    from fibjax.eval import report as rep
+    from launch.eval import main
+
+    assert main(["--workdir", str(runs["nsa"]), "--lengths", "32,64", "--dropped-mass"]) == 0
+    out = capsys.readouterr().out
+    path = next(p for p in (runs["nsa"] / "eval").iterdir() if "dropped_mass" in p.name)
+    report = json.loads(path.read_text())
+    masses = [m for per_layer in report["dropped_mass"]["python_docs"].values() for m in per_layer]
+    assert len(masses) == 2 * 2 and all(0 < m < 1 for m in masses)  # 2 blocks of 8 cannot hold 32+ keys
+    assert "error_law" not in report and "selected blocks" in report["error_law_skipped"]
+    assert "error law: not fitted: nsa's output is not one softmax" in out and "dropped mass vs dense, python_docs @ 32" in out
+    table = rep.error_law_table(rep.load_runs([path])[0])
+    assert table.rows[0][3:] == [f"{np.mean(report['dropped_mass']['python_docs']['32']):.4f}", "—", "—", "—", "—"]
+    assert "no law fitted for nsa" in table.notes[-1]
 
 
 @pytest.mark.parametrize(

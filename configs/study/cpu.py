@@ -120,7 +120,8 @@ def get_study() -> Study:
             StudyRun("fib_stagger_w12", "configs/cpu/fib_stagger_w12.py", CURVE, stage=2, extra_evals=(LONG,)),
             StudyRun("dense_512", "configs/cpu/dense.py", AT_512, stage=2),
             StudyRun("fib_stagger_w8_512", "configs/cpu/fib_stagger_w8.py", (*AT_512, "model.attention.max_rung=511"), stage=2),
-            StudyRun("ssa_nsa", "configs/ssa/cpu_nsa.py", CURVE, stage=2, extra_evals=FULL),
+            # NSA's own attention with --dropped-mass: the mass its selected blocks drop (no error law: three gated branches)
+            StudyRun("ssa_nsa", "configs/ssa/cpu_nsa.py", CURVE, stage=2, extra_evals=(*FULL, ERROR_LAW)),
             StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", CURVE, stage=2),
             StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
             StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW,)),

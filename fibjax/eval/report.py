@@ -368,13 +368,20 @@ def new_distance_table(runs: list[RunEval]) -> Table:
 def error_law_table(runs: list[RunEval]) -> Table | None:
     """Paper B's law per run, dataset and length: mean dropped mass, the fitted slope of
     ||o - o_dense|| on the dropped mass (mean over layers), the worst layer's R^2, and how many
-    queries broke the bound 2 m max||v|| (``launch.eval --dropped-mass``)."""
-    with_law = [r for r in runs if "error_law" in r.report]
+    queries broke the bound 2 m max||v|| (``launch.eval --dropped-mass``). A run whose attention is
+    not one softmax (NSA) has its dropped mass only, the law's columns empty."""
+    with_law = [r for r in runs if "error_law" in r.report or "dropped_mass" in r.report]
     if not with_law:
         return None
     header = ["run", "dataset", "length", "mean dropped mass", "slope (mean of layers)", "min R^2", "bound violations", "queries"]
     rows, csv_rows = [], []
     for r in with_law:
+        if "error_law" not in r.report:
+            for name, by_length in r.report["dropped_mass"].items():
+                for length, per_layer in sorted(by_length.items(), key=lambda kv: int(kv[0])):
+                    rows.append([r.label, name, length, _num(sum(per_layer) / len(per_layer), 4), "—", "—", "—", "—"])
+                    csv_rows += [[r.label, name, int(length), i, m, None, None, None, None] for i, m in enumerate(per_layer)]
+            continue
         for name, by_length in r.report["error_law"].items():
             for length, layers in sorted(by_length.items(), key=lambda kv: int(kv[0])):
                 rows.append(
@@ -396,6 +403,12 @@ def error_law_table(runs: list[RunEval]) -> Table | None:
         "Per query and head: error = ||o - o_dense|| (the layer's own attention against dense, same q, k, v), m = dropped mass; "
         "slope = least squares of error = c m through the origin; the bound is 2 m max_{j<=i} ||v_j||."
     ]
+    skipped = [r.label for r in with_law if "error_law" not in r.report]
+    if skipped:
+        notes.append(
+            f"— : no law fitted for {', '.join(skipped)}: the output is not one softmax over a subset of the causal keys "
+            "(NSA mixes three gated branches); the dropped mass is that of its selected blocks."
+        )
     return Table(
         "error_law",
         "Approximation error vs dropped mass (paper B)",

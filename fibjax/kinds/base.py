@@ -67,6 +67,9 @@ class AttentionKind:
     block_budget: bool = False  # takes a block budget (num_blocks, block_size) at evaluation
     params_needed: bool = False  # adds parameters to a layer (an SSA dense stream must carry them: nsa_params)
     fixed_block_size: bool = False  # its parameters are sized by the trained block size (the budget may change num_blocks only)
+    # its output is one softmax over a subset of the causal keys, so paper B's error law (||o -
+    # o_dense|| <= 2 m max||v||) holds for it and ``launch.eval --dropped-mass`` fits it
+    one_softmax: bool = True
 
     def resolve(self, acfg: AttentionConfig) -> AttentionKind:
         """The kind that runs ``acfg`` (self, or a variant of it)."""

@@ -82,6 +82,9 @@ class NSA(AttentionKind):
     block_budget = True
     params_needed = True
     fixed_block_size = True  # the compression's parameters are sized by the trained block
+    # a gated mix of three branches: the dropped mass is its selected branch's (``attend``'s
+    # lse), but the error law's bound is about a single softmax and does not apply
+    one_softmax = False
 
     def params(self, cfg, layer: int, rngs) -> dict:
         return {"nsa": NSAParams(cfg, rngs=rngs)}
