@@ -152,7 +152,7 @@ def test_figure_groups_draw_each_group_apart_without_the_error_law_repeats(tmp_p
     for name in ("ssa", "moba"):  # the error law's evaluation of each
         path = fake_run(tmp_path / "law", name, datasets=d, tag="law") / "eval" / "100-law.json"
         report = json.loads(path.read_text())
-        path.write_text(json.dumps({**report, "error_law": {}}))
+        path.write_text(json.dumps({**report, "dropped_mass": {}}))
         dirs.append(path)
     longer = json.loads((tmp_path / "fib" / "eval" / "100.json").read_text())  # the same checkpoint at more lengths
     longer.update(lengths=[1024, 2048], datasets={"d": rows_for([30.0, 40.0])})
@@ -160,7 +160,7 @@ def test_figure_groups_draw_each_group_apart_without_the_error_law_repeats(tmp_p
     extra = [tmp_path / "ssa" / "eval" / "100-sparse.json", tmp_path / "fib" / "eval" / "100-long.json"]
     runs, _ = rep.load_runs([*dirs, *extra])
     b = FigureGroup("paper_b", "paper B", ("moba", "ssa"), reference="ssa")
-    assert [(r.report["run"], "error_law" in r.report) for r in group_runs(runs, b)] == [("moba", True), ("ssa", False), ("ssa", False)]
+    assert [(r.report["run"], "dropped_mass" in r.report) for r in group_runs(runs, b)] == [("moba", True), ("ssa", False), ("ssa", False)]
     a = FigureGroup("paper_a", "paper A", ("dense", "fib"), reference="dense")
     made = plots.plot_all(runs, ["d"], tmp_path, reference=runs[0], groups=(a, b))
     names = [p.name for _, p in made]

@@ -33,11 +33,12 @@ class FigureGroup:
 
 
 def group_runs(runs, group: FigureGroup) -> list:
-    """The evaluations of ``group``'s runs, in the group's order; an evaluation made for the error
-    law (``--dropped-mass``, fewer tokens) is left out where the run has another to draw."""
+    """The evaluations of ``group``'s runs, in the group's order; an evaluation made for the
+    dropped mass and error law (``--dropped-mass``, on fewer tokens) is left out where the run has
+    another to draw."""
     chosen = []
     for name in group.runs:
         mine = [r for r in runs if r.report["run"] == name]
-        plain = [r for r in mine if "error_law" not in r.report]
+        plain = [r for r in mine if "dropped_mass" not in r.report]
         chosen += plain or mine
     return chosen
