@@ -17,8 +17,8 @@ from fibjax.config import ConfigError
 class FigureGroup:
     """Runs drawn together in the per-run line plots (perplexity vs length, NLL by position),
     where a report of many runs would be too crowded to read: ``name`` goes into the file names,
-    ``title`` onto the figures, ``runs`` are run names (every evaluation of each, but the error
-    law's: ``group_runs``), ``reference`` the run the position gaps are taken against."""
+    ``title`` onto the figures, ``runs`` are run names (every evaluation of each but a
+    ``--dropped-mass`` one: ``group_runs``), ``reference`` the run the position gaps are taken against."""
 
     name: str
     title: str
