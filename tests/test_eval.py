@@ -224,7 +224,7 @@ def test_dropped_mass_of_nsa_is_its_selected_blocks_and_no_error_law_is_fitted(r
     assert "error law: not fitted: nsa's output is not one softmax" in out and "dropped mass vs dense, python_docs @ 32" in out
     table = rep.error_law_table(rep.load_runs([path])[0])
     assert table.rows[0][3:] == [f"{np.mean(report['dropped_mass']['python_docs']['32']):.4f}", "—", "—", "—", "—"]
-    assert "no law fitted for nsa" in table.notes[-1]
+    assert table.notes[-1] == f"— : no law fitted for {table.rows[0][0]}: {report['error_law_skipped']}."
 
 
 @pytest.mark.parametrize(

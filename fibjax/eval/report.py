@@ -403,12 +403,7 @@ def error_law_table(runs: list[RunEval]) -> Table | None:
         "Per query and head: error = ||o - o_dense|| (the layer's own attention against dense, same q, k, v), m = dropped mass; "
         "slope = least squares of error = c m through the origin; the bound is 2 m max_{j<=i} ||v_j||."
     ]
-    skipped = [r.label for r in with_law if "error_law" not in r.report]
-    if skipped:
-        notes.append(
-            f"— : no law fitted for {', '.join(skipped)}: the output is not one softmax over a subset of the causal keys "
-            "(NSA mixes three gated branches); the dropped mass is that of its selected blocks."
-        )
+    notes += [f"— : no law fitted for {r.label}: {r.report.get('error_law_skipped', 'not recorded why')}." for r in with_law if "error_law" not in r.report]
     return Table(
         "error_law",
         "Approximation error vs dropped mass (paper B)",
