@@ -1,6 +1,7 @@
 """The extrapolation evaluator on a tiny trained run: exactness, equivalences, errors."""
 
 import json
+import math
 import shutil
 
 import jax
@@ -225,6 +226,21 @@ def test_dropped_mass_of_nsa_is_its_selected_blocks_and_no_error_law_is_fitted(r
     table = rep.error_law_table(rep.load_runs([path])[0])
     assert table.rows[0][3:] == [f"{np.mean(report['dropped_mass']['python_docs']['32']):.4f}", "—", "—", "—", "—"]
     assert table.notes[-1] == f"— : no law fitted for {table.rows[0][0]}: {report['error_law_skipped']}."
+
+
+def test_an_nsa_model_evaluates_under_full_and_block_sparse_attention(runs, capsys):
+    """NSA's layers hold gates and a compression that dense and MoBA layers do not: evaluating an
+    NSA model under --inference-mode full (paper B's comparison) failed with "Incorrect number of
+    leaves" until the override carried them (nsa_params, unused)."""
+    from launch.eval import main
+
+    assert main(["--workdir", str(runs["nsa"]), "--lengths", "32,64", "--inference-mode", "full"]) == 0
+    assert main(["--workdir", str(runs["nsa"]), "--lengths", "32", "--attention", "kind=block_sparse", "num_blocks=2", "block_size=8"]) == 0
+    capsys.readouterr()
+    reports = {json.loads(p.read_text())["attention"]["kind"]: json.loads(p.read_text()) for p in (runs["nsa"] / "eval").glob("*kind_*.json")}
+    assert {"dense", "block_sparse"} <= set(reports)
+    for report in (reports["dense"], reports["block_sparse"]):
+        assert report["attention"]["nsa_params"] and all(math.isfinite(r["nll"]) for r in report["datasets"]["python_docs"])
 
 
 @pytest.mark.parametrize(

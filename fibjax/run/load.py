@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from fibjax import data as data_lib
+from fibjax import kinds
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, TrainConfig
 from fibjax.data.token_files import TOKENIZER_FILE
@@ -76,11 +77,19 @@ def run_tokenizer(run: LoadedRun) -> Tokenizer:
     return Tokenizer.load(run.data_dir / TOKENIZER_FILE)
 
 
+def _holds_nsa_params(acfg: AttentionConfig) -> bool:
+    return acfg.nsa_params or kinds.kind_of(acfg).params_needed
+
+
 def with_attention(run: LoadedRun, attention: AttentionConfig) -> tuple[dict, object]:
     """(params, model config) for evaluating the run's weights under another attention.
 
     Weights carry over unchanged; a learned layer's alpha_logit is dropped when the override has
-    none, and created from the override's schedule when the override learns alpha."""
+    none, and created from the override's schedule when the override learns alpha. A run whose
+    layers hold NSA's parameters (an NSA model, or SSA with an NSA stream) keeps them under any
+    other attention (``nsa_params``: carried, unused), so its checkpoint still fits the model."""
+    if _holds_nsa_params(run.cfg.model.attention) and not _holds_nsa_params(attention):
+        attention = dataclasses.replace(attention, nsa_params=True)
     model_cfg = dataclasses.replace(run.cfg.model, attention=attention)
     blocks = {}
     for i, block in run.params["blocks"].items():
