@@ -165,7 +165,7 @@ def test_given_tokenizer_is_reused_and_mismatches_are_refused(prepared, corpus, 
     assert meta["tokenizer"]["sha256"] == load_meta(prepared)["tokenizer"]["sha256"]
     with pytest.raises(DataError, match="contradicts"):
         prepare(tmp_path / "x", {"wiki": str(corpus["wiki"])}, tokenizer=prepared / "tokenizer.model", vocab_size=512, progress=False)
-    train_tokenizer(embedded_documents(), 512).save(out / "tokenizer.model")
+    train_tokenizer(embedded_documents(), 512).save(out)
     with pytest.raises(DataError, match="tokenizer mismatch.*refusing"):
         load_meta(out)
     with pytest.raises(DataError, match="tokenizer mismatch"):

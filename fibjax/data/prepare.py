@@ -1,4 +1,4 @@
-"""Corpus preparation: documents -> SentencePiece tokenizer -> flat token files + meta.json.
+"""Corpus preparation: documents -> tokenizer (trained, or given) -> flat token files + meta.json.
 
 Idempotent: the inputs (file paths, sizes and mtimes; dataset specs; options; a given
 tokenizer's hash) are fingerprinted, and a directory whose meta.json carries the same
@@ -27,21 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece
+import tokenizers
 from tqdm.auto import tqdm
 
+from fibjax.data.sentencepiece_tokenizer import train_tokenizer
 from fibjax.data.sources import EMBEDDED_SPEC, DataError, check_name, describe_inputs, is_held_out, is_hf, read_documents
-from fibjax.data.token_files import (
-    FORMAT_VERSION,
-    META_FILE,
-    TOKENIZER_FILE,
-    free_space,
-    load_meta,
-    read_meta_file,
-    split_file,
-    token_dtype,
-    write_json_atomically,
-)
-from fibjax.data.tokenizer import Tokenizer, train_tokenizer
+from fibjax.data.token_files import FORMAT_VERSION, META_FILE, free_space, load_meta, read_meta_file, split_file, token_dtype, write_json_atomically
+from fibjax.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, Tokenizer, load_tokenizer
 
 DEFAULT_VOCAB_SIZE = 32768
 DEFAULT_VAL_FRACTION = 0.01
@@ -91,12 +83,13 @@ def prepare(
     """Prepare ``out_dir`` from ``sources`` ({name: spec}, see :mod:`fibjax.data.sources`).
 
     ``val`` maps names to validation specs; a name that is not a training source becomes a
-    validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` reuses a
-    ``.model`` instead of training one of ``vocab_size`` pieces. ``redo`` says how to prepare
+    validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` (anything
+    :func:`load_tokenizer` takes: a ``.model``, a ``tokenizer.json``, a Hugging Face model
+    directory) is used instead of training one of ``vocab_size`` pieces. ``redo`` says how to prepare
     damaged data again where ``--overwrite`` is not the caller's flag. Returns the meta dict."""
     out_dir, val = Path(out_dir), dict(val or {})
     _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction)
-    given = Tokenizer.load(tokenizer) if tokenizer else None
+    given = load_tokenizer(tokenizer) if tokenizer else None
     if given and vocab_size is not None and vocab_size != given.vocab_size:
         raise DataError(f"vocab_size {vocab_size} contradicts the given tokenizer {str(tokenizer)!r}, whose vocabulary is {given.vocab_size}")
     vocab_size = given.vocab_size if given else (vocab_size or DEFAULT_VOCAB_SIZE)
@@ -136,9 +129,9 @@ def prepare(
         if progress:
             print(f"training a {vocab_size}-piece BPE tokenizer on up to {tokenizer_chars:,} characters", file=sys.stderr)
         tok = train_tokenizer(_round_robin([train_documents(n) for n in sources], tokenizer_chars), vocab_size)
-    tok_path = out_dir / TOKENIZER_FILE
-    tok.save(tok_path.with_name(tok_path.name + ".tmp"))
-    os.replace(tok_path.with_name(tok_path.name + ".tmp"), tok_path)
+    for stale in (SENTENCEPIECE_FILE, HF_FILE, TOKENIZER_CONFIG):  # another tokenizer's, from an overwritten preparation
+        (out_dir / stale).unlink(missing_ok=True)
+    tok.save(out_dir)
 
     writer_args = dict(out_dir=out_dir, dtype=token_dtype(tok.vocab_size), tok=tok, max_tokens=max_tokens, progress=progress)
     entries: dict[str, dict] = {}
@@ -157,15 +150,17 @@ def prepare(
         "fingerprint": fingerprint,
         "dtype": token_dtype(tok.vocab_size).name,
         "tokenizer": {
-            "file": TOKENIZER_FILE,
+            "file": tok.file_name,
             "sha256": tok.sha256,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
+            "bos_id": tok.bos_id,
+            "add_bos": tok.add_bos,
             "from": str(Path(tokenizer).resolve()) if tokenizer else "trained",
         },
         "sources": entries,
         "options": options,
-        "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__},
+        "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__, "tokenizers": tokenizers.__version__},
     }
     write_json_atomically(out_dir / META_FILE, meta)
     return meta
@@ -189,7 +184,9 @@ def _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, 
         raise DataError("no source given (e.g. --source fineweb=/path/to/files, or --val NAME=FILES for validation only)")
     if not sources and not tokenizer:
         # a tokenizer trained on held-out text alone would match no run: evaluation needs the run's
-        raise DataError("validation-only data (--val without --source) needs the tokenizer of the runs it evaluates: pass --tokenizer RUN_DATA/tokenizer.model")
+        raise DataError(
+            "validation-only data (--val without --source) needs the tokenizer of the runs it evaluates: pass --tokenizer RUN_DATA (their data directory)"
+        )
     for name in (*sources, *val):
         check_name(name)
     for label, value in (("max_tokens", max_tokens), ("max_docs", max_docs), ("vocab_size", vocab_size)):
@@ -226,24 +223,25 @@ def _round_robin(streams: list[Iterator[str]], max_chars: int) -> Iterator[str]:
 
 
 class _TokenFile:
-    """Appends documents (each followed by EOS) to ``<name>/<split>.bin.tmp``; renamed on finish."""
+    """Appends documents (``start`` ids, the document's, EOS) to ``<name>/<split>.bin.tmp``;
+    renamed on finish."""
 
-    def __init__(self, out_dir: Path, name: str, split: str, dtype: np.dtype, eos_id: int):
+    def __init__(self, out_dir: Path, name: str, split: str, dtype: np.dtype, start: list[int], eos_id: int):
         self.relative = split_file(name, split)
         self.path = out_dir / self.relative
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.file = open(self.tmp, "wb")
-        self.dtype, self.eos = dtype, np.array([eos_id], dtype)
+        self.dtype, self.start, self.eos = dtype, np.array(start, dtype), np.array([eos_id], dtype)
         self.tokens = self.documents = 0
 
     def add(self, docs: Iterable[list[int]]) -> None:
-        pieces = [p for ids in docs for p in (np.asarray(ids, self.dtype), self.eos)]
+        pieces = [p for ids in docs for p in (self.start, np.asarray(ids, self.dtype), self.eos)]
         if pieces:
             block = np.concatenate(pieces)
             self.file.write(block)  # not block.tofile: its OSError carries no errno, so a full disk would not be recognised
             self.tokens += block.size
-            self.documents += len(pieces) // 2
+            self.documents += len(pieces) // 3
 
     def finish(self, spec: str) -> dict:
         self.file.close()
@@ -269,9 +267,9 @@ def _write_stream(
     split: str = "train",
 ) -> dict:
     """Encode ``docs`` into ``split`` (and, with ``holdout``, a content-hash fraction into val)."""
-    files = {split: _TokenFile(out_dir, name, split, dtype, tok.eos_id)}
+    files = {split: _TokenFile(out_dir, name, split, dtype, tok.document_start, tok.eos_id)}
     if holdout is not None:
-        files["val"] = _TokenFile(out_dir, name, "val", dtype, tok.eos_id)
+        files["val"] = _TokenFile(out_dir, name, "val", dtype, tok.document_start, tok.eos_id)
     bar = tqdm(desc=f"{name}/{split}", unit="doc", disable=not progress)
     try:
         while max_tokens is None or files[split].tokens < max_tokens:
@@ -286,7 +284,7 @@ def _write_stream(
                     if kept >= room:
                         encoded, held = encoded[:i], held[:i]
                         break
-                    kept += 0 if h else len(ids) + 1  # + EOS
+                    kept += 0 if h else len(tok.document_start) + len(ids) + 1  # + EOS
             files[split].add(ids for ids, h in zip(encoded, held) if not h)
             if holdout is not None:
                 files["val"].add(ids for ids, h in zip(encoded, held) if h)

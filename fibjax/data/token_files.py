@@ -2,10 +2,12 @@
 
 Layout written by :mod:`fibjax.data.prepare`::
 
-    DIR/tokenizer.model         the SentencePiece model every token file was encoded with
-    DIR/<source>/train.bin      tokens of every document, each followed by EOS
+    DIR/tokenizer.model         the tokenizer every token file was encoded with: a SentencePiece
+      or DIR/tokenizer.json     model or a Hugging Face tokenizer.json (meta.json names which),
+    [DIR/tokenizer_config.json] with the special-token settings it came with, if any
+    DIR/<source>/train.bin      tokens of every document: [BOS if the tokenizer's model uses it] ids EOS
     DIR/<source>/val.bin        the same for the validation split
-    DIR/meta.json               counts, dtype, tokenizer sha256, inputs, fingerprint
+    DIR/meta.json               counts, dtype, tokenizer file, sha256 and special ids, inputs, fingerprint
 
 Files are raw little-endian uint16 (vocab <= 65536) or uint32, read back as memmaps. Reading
 checks what a reader can check cheaply: the tokenizer's hash, every file's exact size, and
@@ -23,8 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from fibjax.data.sources import DataError
+from fibjax.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 META_FILE = "meta.json"
+# the tokenizer file of a directory whose meta.json names none (prepared before tokenizer.json)
 TOKENIZER_FILE = "tokenizer.model"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
@@ -84,6 +88,18 @@ def read_meta_file(data_dir: Path) -> dict | None:
     return meta
 
 
+def tokenizer_path(data_dir: str | os.PathLike, meta: dict | None = None) -> Path:
+    """The tokenizer file of a prepared directory (``meta`` read from it when not given)."""
+    data_dir = Path(data_dir)
+    meta = meta if meta is not None else read_meta_file(data_dir)
+    return data_dir / (meta or {}).get("tokenizer", {}).get("file", TOKENIZER_FILE)
+
+
+def data_tokenizer(data_dir: str | os.PathLike, meta: dict | None = None) -> Tokenizer:
+    """The tokenizer the token files of ``data_dir`` were made with."""
+    return load_tokenizer(tokenizer_path(data_dir, meta))
+
+
 def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = None) -> dict:
     """Read and check ``DIR/meta.json``: the tokenizer file is the one the tokens were made
     with (and ``tokenizer_sha256`` when given, e.g. the one a checkpoint recorded), and every
@@ -98,14 +114,18 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
     if meta is None:
         raise DataError(f"{str(data_dir)!r} holds no {META_FILE}: it was never prepared, or preparation did not finish")
     recorded = meta["tokenizer"]["sha256"]
-    model = data_dir / TOKENIZER_FILE
-    if not model.is_file():
-        raise DataError(f"{model} is missing; the token files cannot be decoded without the tokenizer they were made with")
-    actual = file_sha256(model)
+    path = tokenizer_path(data_dir, meta)
+    if not path.is_file():
+        raise DataError(f"{path} is missing; the token files cannot be decoded without the tokenizer they were made with")
+    try:  # the sha covers the special-token settings too, so it is the loaded tokenizer's
+        actual = load_tokenizer(path).sha256
+        found = f"has sha256 {actual[:12]}..."
+    except TokenizerError as e:
+        actual, found = None, f"does not load ({e})"
     if actual != recorded:
         raise DataError(
             f"tokenizer mismatch in {str(data_dir)!r}: the token files were made with tokenizer sha256 {recorded[:12]}..., "
-            f"but {TOKENIZER_FILE} has sha256 {actual[:12]}...; refusing to mix them (prepare the data again)"
+            f"but {path.name} {found}; refusing to mix them (prepare the data again)"
         )
     if tokenizer_sha256 is not None and tokenizer_sha256 != recorded:
         raise DataError(

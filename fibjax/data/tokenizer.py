@@ -1,148 +1,141 @@
-"""A small SentencePiece BPE tokenizer: train one, or load a given ``.model``.
+"""fibjax's one tokenizer interface, and ``load_tokenizer`` for every form a tokenizer comes in.
 
-Training follows the Llama recipe so that ``decode(encode(text)) == text`` for any text:
-identity normalization, whitespace kept as is, digits split, and byte fallback (a character
-the vocabulary lacks becomes its UTF-8 bytes, so nothing is ever ``<unk>``). Ids 0 and 1 are
-``<unk>`` and ``</s>`` (EOS, written between documents); there is no BOS or pad piece.
+Two implementations: a SentencePiece ``.model`` (``sentencepiece_tokenizer.py``: the tokenizers
+fibjax trains, and Llama 2 / Mistral style models) and a Hugging Face ``tokenizer.json``
+(``hf_tokenizer.py``: Llama 3, Qwen2, SmolLM, ...). ``encode`` never adds special tokens: fibjax
+frames every document itself as ``document_start + encode(text) + [eos_id]``, with BOS in
+``document_start`` exactly when the source model prepends it (``special_tokens.py``).
 """
 
 from __future__ import annotations
 
+import abc
 import hashlib
-import io
+import json
 import os
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import sentencepiece as spm
 
 from fibjax.errors import FibjaxError
 
-# 256 byte-fallback pieces + <unk> + </s>; every other piece is a character or a merge.
-NUM_RESERVED_PIECES = 258
-# Lines longer than this are cut into pieces for training (SentencePiece skips, silently,
-# any training "sentence" longer than its max_sentence_length).
-_MAX_TRAIN_LINE_BYTES = 8192
+SENTENCEPIECE_FILE = "tokenizer.model"
+HF_FILE = "tokenizer.json"
+# where a Hugging Face model directory names its special tokens, and where ``save`` writes them
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class TokenizerError(FibjaxError, ValueError):
     """The tokenizer cannot be trained or loaded; the message says why."""
 
 
-class Tokenizer:
-    """A loaded SentencePiece model and the sha256 of its bytes (ties token files to it)."""
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos_id: int | None  # None: the tokenizer has no BOS
+    eos_id: int  # ends every document in a token file
+    add_bos: bool  # the source model begins every document with BOS
 
-    def __init__(self, model_bytes: bytes, source: str = "<memory>"):
-        self._processor = spm.SentencePieceProcessor()
-        try:
-            self._processor.LoadFromSerializedProto(model_bytes)
-        except Exception as e:  # SentencePiece raises RuntimeError/OSError with a terse text
-            raise TokenizerError(f"{source} is not a valid SentencePiece model: {e}") from None
-        if self._processor.eos_id() < 0:
-            raise TokenizerError(f"{source} defines no EOS piece; fibjax separates documents with EOS")
-        self.model_bytes = model_bytes
-        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Tokenizer(abc.ABC):
+    """A loaded tokenizer: its file's bytes, its special tokens, and the sha256 that ties token
+    files to both. ``Tokenizer.load(path)`` is :func:`load_tokenizer`."""
+
+    file_name: str  # the name it is saved under, and looked for in a model directory
+
+    def __init__(self, file_bytes: bytes, special: SpecialTokens, from_side_files: bool):
+        self.file_bytes = file_bytes
+        self.special = special
+        self.from_side_files = from_side_files
+        # The bytes alone name a tokenizer whose special tokens come from its own file (every
+        # tokenizer fibjax trained: these shas predate side files and must not change). Settings
+        # read from JSON files beside it are part of how its tokens were framed, so they are
+        # hashed too, as their resolved ids: the same settings written another way (a token's
+        # text in tokenizer_config.json, its id in config.json) give the same sha.
+        digest = hashlib.sha256(file_bytes)
+        if from_side_files:
+            digest.update(b"\n" + json.dumps(special.as_dict(), sort_keys=True).encode())
+        self.sha256 = digest.hexdigest()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        path = Path(path)
-        if not path.is_file():
-            raise TokenizerError(f"tokenizer model {str(path)!r} does not exist")
-        return cls(path.read_bytes(), source=repr(str(path)))
-
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_bytes(self.model_bytes)
+        return load_tokenizer(path)
 
     @property
-    def vocab_size(self) -> int:
-        return self._processor.vocab_size()
+    def bos_id(self) -> int | None:
+        return self.special.bos_id
 
     @property
     def eos_id(self) -> int:
-        return self._processor.eos_id()
+        return self.special.eos_id
 
+    @property
+    def add_bos(self) -> bool:
+        return self.special.add_bos
+
+    @property
+    def document_start(self) -> list[int]:
+        """The ids every document begins with, as the source model saw its documents."""
+        return [self.special.bos_id] if self.special.add_bos else []
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``directory/file_name`` (and the special-token settings, when they came from side
+        files, as ``tokenizer_config.json``) so that loading it gives the same sha256. The
+        directory must hold no other tokenizer files. Returns the tokenizer file's path."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.from_side_files:
+            settings = {"bos_token": self.token(self.bos_id), "eos_token": self.token(self.eos_id), "add_bos_token": self.add_bos}
+            _write_atomically(directory / TOKENIZER_CONFIG, (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode())
+        _write_atomically(directory / self.file_name, self.file_bytes)
+        return directory / self.file_name
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """One past the largest id (every id in a token file is below it)."""
+
+    @abc.abstractmethod
+    def token(self, token_id: int | None) -> str | None:
+        """The text of a token (None for None)."""
+
+    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        return self._processor.encode(text)
+        """Ids of ``text``, without special tokens."""
 
-    def encode_batch(self, texts: list[str], num_threads: int = -1) -> list[list[int]]:
-        """Encode many documents at once (SentencePiece spreads them over threads)."""
-        return self._processor.encode(texts, num_threads=num_threads)
+    @abc.abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of many documents at once (spread over threads)."""
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._processor.decode([int(i) for i in ids])
-
-
-def _training_lines(texts: Iterable[str]) -> Iterator[str]:
-    """Documents -> non-empty lines, long lines cut at whitespace near the byte limit."""
-    for text in texts:
-        for line in text.split("\n"):
-            while len(line.encode("utf-8")) > _MAX_TRAIN_LINE_BYTES:
-                head = line[: _MAX_TRAIN_LINE_BYTES // 4]  # <= 4 bytes per character
-                cut = head.rfind(" ") if " " in head[1:] else len(head)
-                yield head[: max(cut, 1)]
-                line = line[max(cut, 1) :]
-            if line.strip():
-                yield line
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, *, num_threads: int = 2) -> Tokenizer:
-    """Train a BPE model on ``texts`` (documents). Deterministic: the same texts in the same
-    order give the same model bytes (no sampling of the input; fixed thread count)."""
-    if vocab_size <= NUM_RESERVED_PIECES:
-        raise TokenizerError(f"vocab_size must exceed {NUM_RESERVED_PIECES} (256 byte pieces + <unk> + </s>), got {vocab_size}")
-    lines = _training_lines(texts)
-    first = next(lines, None)
-    if first is None:
-        raise TokenizerError("cannot train a tokenizer on empty text (no non-blank line in the training documents)")
-    model = io.BytesIO()
-    reading_failed: list[Exception] = []  # SentencePiece turns an iterator's exception into a terse RuntimeError
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
-    def all_lines():
-        try:
-            yield first
-            yield from lines
-        except Exception as e:
-            reading_failed.append(e)
-            raise
 
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=all_lines(),
-            model_writer=model,
-            model_type="bpe",
-            vocab_size=vocab_size,
-            byte_fallback=True,
-            unk_id=0,
-            eos_id=1,
-            bos_id=-1,
-            pad_id=-1,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            character_coverage=0.9995,
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            max_sentence_length=_MAX_TRAIN_LINE_BYTES,
-            hard_vocab_limit=False,
-            num_threads=num_threads,
-            minloglevel=2,
-        )
-    except RuntimeError as e:
-        if reading_failed:
-            raise reading_failed[0] from None
-        message = str(e)
-        needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
-        if needed:
-            raise TokenizerError(
-                f"vocab_size {vocab_size} is too small for this text: it needs at least {needed.group(1)} "
-                f"({NUM_RESERVED_PIECES} byte/special pieces + the characters covering 99.95% of the text)"
-            ) from None
-        raise TokenizerError(f"SentencePiece training failed: {message}") from None
-    tokenizer = Tokenizer(model.getvalue())
-    if tokenizer.vocab_size != vocab_size:
-        raise TokenizerError(
-            f"the training text supports only {tokenizer.vocab_size} BPE pieces, fewer than vocab_size {vocab_size}; use more text or a smaller vocab_size"
-        )
-    return tokenizer
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A SentencePiece ``.model``, a Hugging Face ``tokenizer.json``, or a model directory holding
+    either (``tokenizer.json`` preferred). JSON files beside the tokenizer file (a Hugging Face
+    model directory's) say which special tokens the source model uses; they are only read."""
+    # imported here: both implementations subclass Tokenizer from this module
+    from fibjax.data.hf_tokenizer import HFTokenizer
+    from fibjax.data.sentencepiece_tokenizer import SentencePieceTokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        found = [path / name for name in (HF_FILE, SENTENCEPIECE_FILE) if (path / name).is_file()]
+        if not found:
+            raise TokenizerError(f"{str(path)!r} holds neither {HF_FILE} nor {SENTENCEPIECE_FILE}: it is not a tokenizer or Hugging Face model directory")
+        path = found[0]
+    if not path.is_file():
+        raise TokenizerError(f"tokenizer {str(path)!r} does not exist")
+    kinds = {".json": HFTokenizer, ".model": SentencePieceTokenizer}
+    if path.suffix not in kinds:
+        raise TokenizerError(f"tokenizer {str(path)!r}: expected a SentencePiece .model, a {HF_FILE} or a Hugging Face model directory")
+    return kinds[path.suffix].from_file(path)

@@ -1,6 +1,6 @@
 """From a run directory to a model and tokenizer ready to sample, and the context limit.
 
-The tokenizer is the run's data directory's ``tokenizer.model`` (``data.path``, or
+The tokenizer is the run's data directory's tokenizer file (``data.path``, or
 ``<workdir>/data`` for the embedded corpus). It is checked for *before* the run is loaded:
 loading would otherwise rebuild a missing embedded-corpus directory, and a checkpoint whose
 tokenizer is gone should be reported, not silently paired with a new one.
@@ -20,7 +20,7 @@ from flax import nnx
 
 from fibjax import kinds
 from fibjax.config import TrainConfig, apply_overrides
-from fibjax.data.token_files import TOKENIZER_FILE
+from fibjax.data.token_files import tokenizer_path
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.decode.sampling import SampleError
 from fibjax.model import graphdef_of
@@ -44,7 +44,7 @@ def load(workdir: str | Path, step: int | None = None, attention_overrides: list
     if not workdir.is_dir():
         raise SampleError(f"run directory {str(workdir)!r} does not exist")
     cfg = load_run_config(workdir)
-    path = data_dir_of(cfg, workdir) / TOKENIZER_FILE
+    path = tokenizer_path(data_dir_of(cfg, workdir))
     if not path.is_file():
         raise SampleError(
             f"{workdir} has no tokenizer: {path} is missing (the run's data directory holds the tokenizer its "

@@ -18,7 +18,7 @@ from fibjax import data as data_lib
 from fibjax import kinds
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, TrainConfig
-from fibjax.data.token_files import TOKENIZER_FILE
+from fibjax.data.token_files import data_tokenizer
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
 from fibjax.run.workdir import CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir
@@ -74,7 +74,7 @@ def abstract_params(model_cfg, device) -> dict:
 
 def run_tokenizer(run: LoadedRun) -> Tokenizer:
     """The tokenizer the run trained with (``load_run`` checked it against the run's record)."""
-    return Tokenizer.load(run.data_dir / TOKENIZER_FILE)
+    return data_tokenizer(run.data_dir)
 
 
 def _holds_nsa_params(acfg: AttentionConfig) -> bool:
