@@ -10,6 +10,5 @@ from fibjax.recipes import cpu
 def get_config():
     cfg = cpu("fib_learned_w8")
     attention = dataclasses.replace(cfg.model.attention, alpha=(0.99,) * cfg.model.num_layers, learn_alpha=True)
-    return dataclasses.replace(
-        cfg, name="cpu_fib_frozen099_w8", model=dataclasses.replace(cfg.model, attention=attention), optim=dataclasses.replace(cfg.optim, alpha_lr_multiplier=0.0)
-    )
+    model = dataclasses.replace(cfg.model, attention=attention)
+    return dataclasses.replace(cfg, name="cpu_fib_frozen099_w8", model=model, optim=dataclasses.replace(cfg.optim, alpha_lr_multiplier=0.0))
