@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 import traceback
 import types
 import typing
@@ -587,13 +588,19 @@ def _leaves(changes: dict):
 
 
 def load_config_file(path: str | Path):
-    """Import a Python config file and return its ``get_config()``: a config dataclass.
+    """Import a Python config file and return its ``get_config()``: a config dataclass; or read
+    a run's ``config.json`` (a TrainConfig), e.g. to continue an imported model with ``init_from``.
 
     Anything that goes wrong in the file (a syntax error, a failing import, an exception in
     ``get_config()``, a wrong return value) is one ConfigError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    if path.suffix == ".json":
+        try:
+            return from_dict(TrainConfig, json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"config file {str(path)!r} is not a run's config.json: {e}") from None
     spec = importlib.util.spec_from_file_location(f"fibjax_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

@@ -213,3 +213,24 @@ def test_the_export_loads_in_transformers_with_equal_logits(imported):
     tokens = torch.tensor(np.random.default_rng(3).integers(3, hf_models.VOCAB, (2, 30)))
     with torch.no_grad():
         np.testing.assert_array_equal(reloaded(tokens).logits.numpy(), reference(tokens).logits.numpy())
+
+
+def test_the_harness_scores_an_imported_model_after_bos_as_lm_eval_does(tmp_path):
+    """lm-eval's Hugging Face model begins every context with BOS when the tokenizer adds one;
+    fibjax's harness model does the same for an imported model (and its empty context is BOS)."""
+    pytest.importorskip("lm_eval", reason="needs the harness extra: pip install -e '.[harness]'")
+    import jax
+    from lm_eval.api.instance import Instance
+
+    from fibjax.eval import harness
+
+    import_model(hf_models.handmade(tmp_path / "model"), tmp_path / "run", seq_len=32)
+    lm = harness.FibjaxLM(workdir=str(tmp_path / "run"), max_length=32)
+    tok = lm.tok
+    assert tok.add_bos and lm.prefix_token_id == tok.bos_id
+    context, continuation = "The quick brown", " fox jumps"
+    ((got, _),) = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
+    whole, ctx = [tok.bos_id, *tok.encode(context + continuation)], [tok.bos_id, *tok.encode(context)]
+    log_probs = np.asarray(jax.nn.log_softmax(_model(load_run(tmp_path / "run"))(jnp.asarray([whole[:-1]]))[0]))
+    expected = sum(log_probs[i - 1, whole[i]] for i in range(len(ctx), len(whole)))
+    assert got == pytest.approx(expected, abs=1e-4)

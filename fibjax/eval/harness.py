@@ -15,10 +15,11 @@ eval.batch_size x seq_len tokens per forward, so short rows go more at a time).
 * loglikelihood: lm-eval's causal convention (TemplateLM): context + continuation encoded
   whole and the context's tokens split off. Encoding the continuation alone would be wrong
   here: SentencePiece adds a dummy-prefix space to every encode. An empty context is EOS, which
-  starts every document in training. The last max_length + 1 tokens are scored (the context is
+  starts every document in training (BOS for an imported model that begins its documents with
+  it, whose contexts also begin with BOS, as lm-eval's Hugging Face model encodes them). The last max_length + 1 tokens are scored (the context is
   cut from the left), right-padded to a power-of-two bucket: causal, so padding never reaches a
   real position, and each bucket compiles once.
-* loglikelihood_rolling: [EOS] + text in non-overlapping windows of max_length, each scored from
+* loglikelihood_rolling: [EOS or BOS] + text in non-overlapping windows of max_length, each scored from
   its own start: fibjax.eval.perplexity's windows, so launch.eval and this agree on the same
   tokens. (lm-eval's HF model scores the same windows but gives the last, shorter one the tokens
   before it as context; here it starts from nothing, like every other window.)
@@ -110,8 +111,16 @@ class FibjaxLM(TemplateLM):
     def eot_token_id(self) -> int:
         return self.tok.eos_id
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is: BOS for a model that begins its documents with it (an
+        imported Llama's), else EOS, which ends the document before every one in fibjax's token files."""
+        return self.tok.bos_id if self.tok.add_bos else self.tok.eos_id
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tok.encode(string)
+        """Ids of ``string`` as a document begins: after BOS where the source model puts one
+        (as lm-eval's Hugging Face model encodes), unless ``add_special_tokens`` is False."""
+        return ([] if add_special_tokens is False else self.tok.document_start) + self.tok.encode(string)
 
     def _bucket(self, length: int) -> int:
         return self.max_length if self.one_bucket else min(self.max_length, max(MIN_BUCKET, 1 << (length - 1).bit_length()))
@@ -144,7 +153,7 @@ class FibjaxLM(TemplateLM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        streams = [[self.eot_token_id, *self.tok.encode(r.args[0])] for r in requests]
+        streams = [[self.prefix_token_id, *self.tok.encode(r.args[0])] for r in requests]
         rows, owner = [], []
         for n, stream in enumerate(streams):
             for start in range(0, len(stream) - 1, self.max_length):
@@ -165,7 +174,7 @@ class FibjaxLM(TemplateLM):
         until = gen_kwargs.get("until") or []
         until = [s for s in ([until] if isinstance(until, str) else until) if s]
         new_tokens = min(int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
-        ids = (self.tok.encode(context) or [self.eot_token_id])[-(self.max_length - new_tokens) :]
+        ids = (self.tok_encode(context) if context else [self.prefix_token_id])[-(self.max_length - new_tokens) :]
         decoder, sampler = self._greedy_decoder()
         # prefill a power-of-two head (one compile per size), then feed the rest a token a step
         head = 1 << (len(ids).bit_length() - 1)
