@@ -118,6 +118,7 @@ class AttentionConfig:
 
 
 REMAT_POLICIES = ("none", "full", "dots")
+ROPE_SCALINGS = ("none", "ntk", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True)
@@ -141,14 +142,25 @@ class ModelConfig:
     # RoPE base: head-dim pair i rotates at rope_theta^(-2i/head_dim) per position
     rope_theta: float = 10000.0
     # RoPE scaling for a longer context (training, evaluation and decoding alike): none | ntk
-    # (theta raised) | linear (position interpolation) | yarn (needs rope_original_len)
+    # (theta raised) | linear (position interpolation) | yarn (needs rope_original_len) | llama3
+    # (Llama 3.1's frequency bands; needs rope_original_len)
     rope_scaling: str = "none"
     # how many times longer the context becomes under rope_scaling (>= 1)
     rope_factor: float = 1.0
-    # yarn: the length the model was pre-trained at (0: unset)
+    # yarn and llama3: the length the model was pre-trained at (0: unset)
     rope_original_len: int = 0
+    # llama3: frequencies whose wavelength is longer than rope_original_len / low_freq_factor
+    # are divided by rope_factor (a ramp up to the high_freq_factor bound)
+    rope_low_freq_factor: float = 1.0
+    # llama3: frequencies whose wavelength is shorter than rope_original_len / high_freq_factor
+    # are kept as they are
+    rope_high_freq_factor: float = 4.0
     # epsilon of every RMSNorm
     norm_eps: float = 1e-6
+    # biases on the query, key and value projections (Qwen2); the output projection has none
+    qkv_bias: bool = False
+    # the output projection is the embedding table (tied), or a matrix of its own (lm_head)
+    tie_embeddings: bool = True
     # float32 | bfloat16: the dtype activations and matmuls compute in (softmax statistics and
     # the loss stay float32)
     dtype: str = "float32"
@@ -175,9 +187,16 @@ class ModelConfig:
             _require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads ({self.num_heads}) unless head_dim is set", self.d_model)
         _require(self.resolved_head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs)", self.resolved_head_dim)
         _require(self.rope_theta > 0, "rope_theta", "must be > 0", self.rope_theta)
-        _require(self.rope_scaling in ("none", "ntk", "linear", "yarn"), "rope_scaling", "must be none, ntk, linear or yarn", self.rope_scaling)
+        _require(self.rope_scaling in ROPE_SCALINGS, "rope_scaling", f"must be one of {', '.join(ROPE_SCALINGS)}", self.rope_scaling)
         _require(self.rope_factor >= 1.0, "rope_factor", "must be >= 1 (the context grows by this factor)", self.rope_factor)
-        _require(self.rope_scaling != "yarn" or self.rope_original_len >= 1, "rope_original_len", "yarn needs the pre-training length", self.rope_original_len)
+        needs_len = self.rope_scaling in ("yarn", "llama3")
+        _require(not needs_len or self.rope_original_len >= 1, "rope_original_len", f"{self.rope_scaling} needs the pretraining length", self.rope_original_len)
+        _require(
+            0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+            "rope_low_freq_factor",
+            f"must be > 0 and below rope_high_freq_factor ({self.rope_high_freq_factor})",
+            self.rope_low_freq_factor,
+        )
         _require(self.logits_chunk >= 0, "logits_chunk", "must be >= 0 (0 = no chunking)", self.logits_chunk)
         for name in ("dtype", "param_dtype"):
             _require(getattr(self, name) in ("float32", "bfloat16"), name, "must be float32 or bfloat16", getattr(self, name))

@@ -1,4 +1,4 @@
-"""The decoder-only LM (Flax NNX): RMSNorm pre-norm, SwiGLU, RoPE, GQA, tied embeddings.
+"""The decoder-only LM (Flax NNX): RMSNorm pre-norm, SwiGLU, RoPE, GQA, tied (or untied) embeddings.
 
 Attention per layer comes from :class:`fibjax.config.AttentionConfig`. The model has no
 length-dependent parameters: static offsets and pow2 rungs are derived from the length a
@@ -47,6 +47,9 @@ def rope_frequencies(head_dim: int, cfg: ModelConfig) -> tuple[np.ndarray, float
             frequencies with r_i < beta_slow (1) are interpolated (/ factor), those with r_i >
             beta_fast (32) kept, a linear ramp between; and the logits are scaled by
             (0.1 ln(factor) + 1)^2 (applied as that factor on both q and k).
+    llama3: Llama 3.1's bands: with r_i = original_len / wavelength_i, frequencies with r_i <
+            low_freq_factor are divided by ``factor``, those with r_i > high_freq_factor kept, a
+            linear ramp in r_i between (Hugging Face's ``rope_type: llama3``); no temperature.
     """
     i = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     theta, factor = cfg.rope_theta, cfg.rope_factor
@@ -61,6 +64,11 @@ def rope_frequencies(head_dim: int, cfg: ModelConfig) -> tuple[np.ndarray, float
         keep = np.clip((ratio - YARN_BETA_SLOW) / (YARN_BETA_FAST - YARN_BETA_SLOW), 0.0, 1.0)
         inv_freq = (1 - keep) * inv_freq / factor + keep * inv_freq
         mscale = 0.1 * math.log(factor) + 1.0
+    if cfg.rope_scaling == "llama3":
+        ratio = cfg.rope_original_len * inv_freq / (2 * np.pi)
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        keep = np.clip((ratio - low) / (high - low), 0.0, 1.0)
+        inv_freq = (1 - keep) * inv_freq / factor + keep * inv_freq
     return inv_freq.astype(np.float32), mscale
 
 
@@ -94,6 +102,13 @@ def alpha_mask(model: nnx.Module) -> dict:
     return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, Alpha), nnx.state(model, nnx.Param), is_leaf=is_var))
 
 
+def _with_bias(lin: dict, use_bias: bool, axis: str) -> dict:
+    """``nnx.Linear`` keywords with a zero-initialised bias along ``axis`` when ``use_bias``."""
+    if not use_bias:
+        return lin
+    return {**lin, "use_bias": True, "bias_init": nnx.with_metadata(nnx.initializers.zeros_init(), logical_axes=(axis,))}
+
+
 class Attention(nnx.Module):
     """Projections, RoPE, and the layer's attention, run by its kind (``fibjax.kinds``): the kind
     adds its parameters to this module (a learned alpha, NSA's gates) and computes the attention.
@@ -107,9 +122,9 @@ class Attention(nnx.Module):
         d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         std, out_std = d**-0.5, d**-0.5 / math.sqrt(2 * cfg.num_layers)
         lin = dict(use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
-        self.q_proj = nnx.Linear(d, h * e, kernel_init=_init(std, ("embed", "heads")), **lin)
-        self.k_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
-        self.v_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **lin)
+        self.q_proj = nnx.Linear(d, h * e, kernel_init=_init(std, ("embed", "heads")), **_with_bias(lin, cfg.qkv_bias, "heads"))
+        self.k_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **_with_bias(lin, cfg.qkv_bias, "kv_heads"))
+        self.v_proj = nnx.Linear(d, k * e, kernel_init=_init(std, ("embed", "kv_heads")), **_with_bias(lin, cfg.qkv_bias, "kv_heads"))
         self.o_proj = nnx.Linear(h * e, d, kernel_init=_init(out_std, ("heads", "embed")), **lin)
         owners = [kinds.kind_of(cfg.attention)]
         if cfg.attention.nsa_params and kinds.get("nsa") not in owners:  # SSA with an NSA sparse stream: the dense layer carries its parameters
@@ -183,6 +198,9 @@ class Transformer(nnx.Module):
         )
         self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.param_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:  # an output matrix of its own, [V, D] like the embedding table
+            table_VD = nnx.initializers.normal(cfg.d_model**-0.5)(rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+            self.lm_head = nnx.Param(table_VD, logical_axes=("vocab", "embed"))
 
     def __call__(
         self,
@@ -201,7 +219,7 @@ class Transformer(nnx.Module):
         x_BTD = self.hidden(tokens_BT, positions_BT, mode=layer_mode(ssa, probe_dropped_mass, mode))
         if targets_BT is None:
             return self.logits(x_BTD)
-        return chunked_nll(self.final_norm(x_BTD), self.embed.embedding[...], targets_BT, self.cfg.logits_chunk)
+        return chunked_nll(self.final_norm(x_BTD), self.output_table(), targets_BT, self.cfg.logits_chunk)
 
     def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, *, mode: LayerMode | None = None) -> Array:
         """The residual stream after the last block [B, T, D] (before the final norm)."""
@@ -234,10 +252,14 @@ class Transformer(nnx.Module):
             table_VD = jax.lax.with_sharding_constraint(table_VD, PartitionSpec(vocab_axis, None))
         return jnp.take(table_VD, tokens_BT, axis=0)
 
+    def output_table(self) -> Array:
+        """The output projection [V, D]: the embedding table when tied, else ``lm_head``."""
+        return self.embed.embedding[...] if self.cfg.tie_embeddings else self.lm_head[...]
+
     def logits(self, x_BTD: Array) -> Array:
-        """Final norm and the tied output projection, accumulated and returned in float32 even
+        """Final norm and the output projection, accumulated and returned in float32 even
         when the model computes in bf16 (the loss and every perplexity come from these)."""
-        return _logits(self.final_norm(x_BTD), self.embed.embedding[...])
+        return _logits(self.final_norm(x_BTD), self.output_table())
 
     def alphas(self) -> list[float | Array | None]:
         """Per-layer alpha (None for layers without one)."""

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=256, help="model width")
     p.add_argument("--layers", type=int, default=4, help="layers")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="dtype of q, k, v")
+    p = sub.add_parser("hf_import", help="peak host memory of launch.import_hf on a random Llama-layout checkpoint, against its size", **defaults)
+    p.add_argument("--size-gb", type=float, default=1.0, help="checkpoint size in GiB (bfloat16)")
+    p.add_argument("--dir", default=None, help="where to write the model and the run (default: a temporary directory, removed after)")
     p = sub.add_parser("train", help="train-step throughput of configs, side by side (synthetic batches)", **defaults)
     p.add_argument(
         "--configs",
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backend={jax.default_backend()} available devices={len(jax.devices())} {setup}", flush=True)
         rows = train_bench.measure([c for c in args.configs.split(",") if c], args.overrides, args.steps, args.rounds)
         print(train_bench.table(rows))
+        return 0
+    if args.what == "hf_import":
+        from fibjax.bench import hf_import
+
+        print(hf_import.run(args.size_gb, args.dir))
         return 0
     if args.what == "decode":
         kinds = [k for k in args.kinds.split(",") if k]

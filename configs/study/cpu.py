@@ -26,6 +26,8 @@ LONG = ("--lengths", "256,2048,4096")
 # The five-seed test (BUILD_NOTES, "The five-seed test"): seeds 44-46 of fixed and stagger in
 # pairs, then learned, then a dense run for the 16x comparison; all from one commit.
 SEEDS = (44, 45, 46)
+# The interpolation control: the learned path's interpolated rungs with alpha frozen at 0.99
+FROZEN = "configs/cpu/fib_frozen099_w8.py"
 # The scale trend (runs added after the five-seed test): validation curves at 1x and 4x against
 # tokens seen, 4x on the first 8,192 tokens of each source (about 1% of a run's time)
 CURVE = ("eval.curve_multipliers=1,4", "eval.curve_long_tokens=8192")
@@ -62,6 +64,9 @@ def get_study() -> Study:
         comparisons=(
             Comparison("stagger - fixed (W8)", "configs/cpu/fib_stagger_w8.py", "configs/cpu/fib_fixed_w8.py"),
             Comparison("learned - stagger (W8)", "configs/cpu/fib_learned_w8.py", "configs/cpu/fib_stagger_w8.py"),
+            # the interpolation control (BUILD_NOTES, declared before its runs): fractional offsets or learning?
+            Comparison("frozen 0.99 - fixed (W8)", FROZEN, "configs/cpu/fib_fixed_w8.py"),
+            Comparison("learned - frozen 0.99 (W8)", "configs/cpu/fib_learned_w8.py", FROZEN),
         ),
         # issue 28's second trend: dense and stagger at 256 (every seed) and at 512
         trends=(
@@ -127,6 +132,8 @@ def get_study() -> Study:
             StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW,)),
             StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
             StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", CURVE, stage=2, extra_evals=SPARSE),
+            # the interpolation control at the five-seed test's seeds 44-46
+            *(StudyRun(f"fib_frozen099_w8_seed{s}", FROZEN, (f"seed={s}",), stage=2, extra_evals=(LONG,)) for s in SEEDS),
             StudyRun("dense_retrofit_stagger_w8", "configs/cpu/fib_stagger_w8.py", RETROFIT, stage=2, extra_evals=(LONG,)),
             # stage 3: continual training of paper B's FullAttn and SSA from 256 to 1024 tokens,
             # each evaluated at 1x-4x with and without YaRN (and SSA under sparse inference)

@@ -149,15 +149,7 @@ def prepare(
         "format": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer": {
-            "file": tok.file_name,
-            "sha256": tok.sha256,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "bos_id": tok.bos_id,
-            "add_bos": tok.add_bos,
-            "from": str(Path(tokenizer).resolve()) if tokenizer else "trained",
-        },
+        "tokenizer": tokenizer_entry(tok, str(Path(tokenizer).resolve()) if tokenizer else "trained"),
         "sources": entries,
         "options": options,
         "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__, "tokenizers": tokenizers.__version__},
@@ -313,3 +305,23 @@ def _write_stream(
     if holdout is not None:
         entry["val"]["from"] = f"holdout {holdout}"
     return entry
+
+
+def tokenizer_entry(tok: Tokenizer, source: str) -> dict:
+    """meta.json's record of the tokenizer every token file of a directory was made with."""
+    ids = {"vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "bos_id": tok.bos_id, "add_bos": tok.add_bos}
+    return {"file": tok.file_name, "sha256": tok.sha256, **ids, "from": source}
+
+
+def prepare_tokenizer_only(out_dir: str | os.PathLike, tok: Tokenizer, source: str) -> dict:
+    """A data directory that holds a tokenizer and no token files (an imported model's: its
+    commands read the tokenizer here; evaluation and training text is prepared elsewhere with
+    ``--tokenizer``, and checked against this one by its sha256)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(out_dir)
+    entry = tokenizer_entry(tok, source)
+    fingerprint = _sha256_json({"format": FORMAT_VERSION, "inputs": {}, "tokenizer": tok.sha256})
+    meta = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "dtype": token_dtype(tok.vocab_size).name, "tokenizer": entry, "sources": {}, "options": {}}
+    write_json_atomically(out_dir / META_FILE, meta)
+    return meta

@@ -23,6 +23,8 @@ from fibjax.run.lock import LOCK_FILE
 
 CONFIG_FILE = "config.json"
 TOKENIZER_PIN = "tokenizer.sha256"
+# written by fibjax.hf's import: the run holds imported weights and nothing to resume
+IMPORTED_FILE = "hf_source.json"
 # the embedded corpus's directory inside a run that names no data.path
 DATA_DIR = "data"
 # Fields a resumed run may change: how long and how often, and how the same step is computed
@@ -70,6 +72,10 @@ def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
 
     Raises CheckpointError when the workdir holds a different run or files of something else."""
     path = Path(workdir) / CONFIG_FILE
+    if (Path(workdir) / IMPORTED_FILE).exists():
+        raise CheckpointError(
+            f"{workdir} holds a model imported from Hugging Face (weights only, no optimizer state); train from it in a new --workdir with init_from={workdir}"
+        )
     if not path.exists():
         if Path(workdir).is_dir() and any(p.name != LOCK_FILE for p in Path(workdir).iterdir()):
             raise CheckpointError(f"workdir {workdir} is not empty and holds no fibjax run ({CONFIG_FILE} missing); use another --workdir")

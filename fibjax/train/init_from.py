@@ -29,7 +29,10 @@ from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
 from fibjax.run.workdir import CheckpointError, changed_fields, load_run_config, pinned_tokenizer
 
 # model fields that must equal the source run's (parameter shapes, or how parameters are read)
-FIXED = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim", "resolved_mlp_hidden", "norm_eps", "param_dtype")
+FIXED = (
+    *("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "resolved_head_dim", "resolved_mlp_hidden"),
+    *("norm_eps", "param_dtype", "qkv_bias", "tie_embeddings"),
+)
 
 
 @dataclasses.dataclass(frozen=True)

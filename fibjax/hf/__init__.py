@@ -1,0 +1,7 @@
+"""Hugging Face checkpoints of the Llama family in and out of fibjax (``launch.import_hf``,
+``launch.export_hf``): :func:`import_model`, :func:`export_model`, :func:`model_config`."""
+
+from fibjax.hf.config import UnsupportedModel, model_config
+from fibjax.hf.convert import SOURCE_FILE, export_model, import_model, plan_import
+
+__all__ = ["SOURCE_FILE", "UnsupportedModel", "export_model", "import_model", "model_config", "plan_import"]

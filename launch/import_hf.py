@@ -1,0 +1,62 @@
+"""Import a Hugging Face Llama-family model: ``python -m launch.import_hf MODEL_DIR --workdir runs/NAME
+[--seq-len N] [--dtype float32|bfloat16]``.
+
+MODEL_DIR is a local directory (no download) holding config.json, model.safetensors (or shards
+named by model.safetensors.index.json) and tokenizer.json or tokenizer.model: Llama 2 and 3
+(rope_scaling llama3), Mistral (without a sliding window), Qwen2, and models of the same layout
+(TinyLlama, SmolLM). It becomes a fibjax run of a dense model that every command reads as it is:
+
+  python -m launch.eval --workdir runs/NAME --data NAME=DIR --lengths 2048,8192
+  python -m launch.sample --workdir runs/NAME --prompt "..."
+  python -m launch.train --config CONFIG init_from=runs/NAME model.attention.kind=offset ...
+
+Evaluation and training text must be prepared with the model's own tokenizer:
+``python -m launch.prepare_data --out DIR --tokenizer MODEL_DIR --source NAME=FILES``.
+An architecture fibjax cannot compute exactly, a missing or truncated shard, a tensor whose shape
+or dtype disagrees with config.json, a missing tokenizer or a non-empty --workdir is one error
+line, and nothing is written. Nothing from MODEL_DIR is executed (no remote code, no pickles).
+Guide: docs/guides/hugging-face.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.import_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="a local Hugging Face model directory")
+    parser.add_argument("--workdir", required=True, help="the new run directory (must not exist, or be empty)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="the run's training length: evaluation lengths are its multiples (default: max_position_embeddings)"
+    )
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (default: the checkpoint's)")
+    args = parser.parse_args(argv)
+    if args.seq_len is not None and args.seq_len < 8:
+        parser.error(f"--seq-len must be >= 8, got {args.seq_len}")
+
+    from fibjax.errors import FibjaxError
+    from fibjax.hf import import_model
+
+    start = time.perf_counter()
+    try:
+        cfg = import_model(args.model_dir, args.workdir, seq_len=args.seq_len, dtype=args.dtype)
+    except FibjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    m = cfg.model
+    print(
+        f"imported {args.model_dir} into {args.workdir} in {time.perf_counter() - start:.1f} s: {m.num_layers} layers, d_model {m.d_model}, "
+        f"{m.num_heads} heads / {m.num_kv_heads} KV, vocab {m.vocab_size}, {m.param_dtype}, RoPE theta {m.rope_theta:g}"
+        + (f" ({m.rope_scaling} x{m.rope_factor:g})" if m.rope_scaling != "none" else "")
+        + f"; training length {cfg.seq_len}"
+    )
+    prepare = f"python -m launch.prepare_data --out data/NAME --tokenizer {args.model_dir} --source NAME=FILES"
+    print(f"next: {prepare}, then python -m launch.eval --workdir {args.workdir} --data NAME=data/NAME")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
