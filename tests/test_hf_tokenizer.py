@@ -222,7 +222,7 @@ def _sentencepiece(tmp_path) -> str:
 
 
 def test_transformers_reads_the_same_ids(hf_dir):
-    transformers = pytest.importorskip("transformers", reason="comparing with transformers needs it: pip install transformers")
+    transformers = pytest.importorskip("transformers", reason='comparing with transformers needs it: pip install -e ".[hf-parity]"')
     theirs = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     ours = load_tokenizer(hf_dir)
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
