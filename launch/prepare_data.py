@@ -1,14 +1,19 @@
 """Prepare training data: ``python -m launch.prepare_data --out DIR --source NAME=SPEC ...``.
 
-Trains (or reuses) a SentencePiece tokenizer and writes DIR/tokenizer.model,
-DIR/<name>/{train,val}.bin and DIR/meta.json. Running it again with the same inputs does
-nothing. SPEC: files, folders or globs (comma-separated; .txt, .jsonl, .jsonl.gz, .parquet),
-``hf:DATASET[:CONFIG][@SPLIT]`` (needs `datasets` and network), or ``embedded:python-docs``.
-A repeated NAME adds inputs to it.
+Trains a SentencePiece tokenizer (or uses --tokenizer) and writes it to DIR (tokenizer.model, or
+tokenizer.json for a Hugging Face one), DIR/<name>/{train,val}.bin and DIR/meta.json. Running it
+again with the same inputs does nothing. SPEC: files, folders or globs (comma-separated; .txt,
+.jsonl, .jsonl.gz, .parquet), ``hf:DATASET[:CONFIG][@SPLIT]`` (needs `datasets` and network), or
+``embedded:python-docs``. A repeated NAME adds inputs to it.
 
 Your own text (any folder of .txt/.jsonl/.parquet files; 10% of documents held out by hash):
 
   python -m launch.prepare_data --out data/mine --vocab-size 8192 --val-fraction 0.1 --source mine=path/to/folder
+
+Your text for a Hugging Face model (its tokenizer.json or tokenizer.model, and the BOS/EOS it
+uses, read from its directory; each document is written as [BOS] tokens EOS as the model saw them):
+
+  python -m launch.prepare_data --out data/mine-llama --tokenizer path/to/Llama-3.2-1B --source mine=path/to/folder
 
 Hugging Face datasets (pip install -e ".[hf]", network; the README's "Training on real data"
 has the CPU and paper mixtures):
@@ -58,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         help="validation inputs of a source, or a validation-only source; without it a source holds out --val-fraction",
     )
     parser.add_argument("--vocab-size", type=int, default=None, help=f"pieces of the tokenizer to train (default {DEFAULT_VOCAB_SIZE})")
-    parser.add_argument("--tokenizer", default=None, help="reuse this SentencePiece .model instead of training one")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="use this tokenizer instead of training one: a SentencePiece .model, a tokenizer.json, or a Hugging Face model directory",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="stop each split of each source after this many tokens")
     parser.add_argument("--max-docs", type=int, default=None, help="read at most this many documents from each source and val input")
     parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, help="documents held out when a source has no --val")
@@ -83,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.out}: vocab {meta['tokenizer']['vocab_size']} ({meta['dtype']}), tokenizer sha256 {meta['tokenizer']['sha256'][:12]}")
+    tok = meta["tokenizer"]
+    start = f"BOS {tok['bos_id']} + " if tok["add_bos"] else ""
+    print(f"{args.out}: vocab {tok['vocab_size']} ({meta['dtype']}), tokenizer sha256 {tok['sha256'][:12]}, documents {start}tokens + EOS {tok['eos_id']}")
     for name, source in meta["sources"].items():
         counts = ", ".join(f"{split} {s['tokens']:,} tokens / {s['documents']:,} docs" for split, s in source.items())
         print(f"  {name}: {counts}")

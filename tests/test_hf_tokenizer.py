@@ -222,10 +222,19 @@ def _sentencepiece(tmp_path) -> str:
 
 
 def test_transformers_reads_the_same_ids(hf_dir):
-    transformers = pytest.importorskip("transformers", reason="comparing with transformers needs it: pip install transformers")
+    transformers = pytest.importorskip("transformers", reason='comparing with transformers needs it: pip install -e ".[hf-parity]"')
     theirs = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     ours = load_tokenizer(hf_dir)
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
     for text in TEXTS:
         assert theirs(text).input_ids == ours.document_start + ours.encode(text)
         assert theirs.decode(ours.encode(text)) == ours.decode(ours.encode(text)) == text
+
+
+def test_a_sampled_prompt_begins_a_document_as_the_source_model_did(hf_dir):
+    from fibjax.decode.run import encode_prompt
+
+    tok = load_tokenizer(hf_dir)
+    assert encode_prompt(tok, "The fox", max_new_tokens=4, limit=None) == [tok.bos_id, *tok.encode("The fox")]
+    sp = train_tokenizer(embedded_documents()[:20], 400)  # fibjax's own: no BOS
+    assert encode_prompt(sp, "The fox", max_new_tokens=4, limit=None) == sp.encode("The fox")

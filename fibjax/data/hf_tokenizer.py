@@ -25,7 +25,8 @@ class HFTokenizer(Tokenizer):
         except Exception as e:  # tokenizers raises a bare Exception naming the JSON position
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TokenizerError(f"{source} is not a valid Hugging Face {HF_FILE}: {first_line}") from None
-        self._vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        # added tokens may sit past the model's vocabulary (not get_vocab: a 128k dict, 0.3 s)
+        self._vocab_size = max([self._tok.get_vocab_size(with_added_tokens=False) - 1, *self._tok.get_added_tokens_decoder()]) + 1
         prefix, suffix = self._added_around(_PROBE)
         special = resolve(
             side or {},

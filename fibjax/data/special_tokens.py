@@ -21,15 +21,17 @@ from pathlib import Path
 
 from fibjax.data.tokenizer import TOKENIZER_CONFIG, SpecialTokens, TokenizerError
 
-_PLACES = {
-    token: (
-        (TOKENIZER_CONFIG, f"{token}_token"),
-        ("special_tokens_map.json", f"{token}_token"),
-        ("generation_config.json", f"{token}_token_id"),
-        ("config.json", f"{token}_token_id"),
-    )
-    for token in ("bos", "eos")
-} | {"add_bos": ((TOKENIZER_CONFIG, "add_bos_token"),)}
+# where BOS and EOS are looked for, in order: (file, key); add_bos only in tokenizer_config.json
+_TOKEN_PLACES = (
+    (TOKENIZER_CONFIG, "{}_token"),
+    ("special_tokens_map.json", "{}_token"),
+    ("generation_config.json", "{}_token_id"),
+    ("config.json", "{}_token_id"),
+)
+_PLACES = {token: tuple((name, key.format(token)) for name, key in _TOKEN_PLACES) for token in ("bos", "eos")} | {
+    "add_bos": ((TOKENIZER_CONFIG, "add_bos_token"),)
+}
+SIDE_FILES = tuple(name for name, _ in _TOKEN_PLACES)
 
 
 def read_side_settings(directory: Path) -> dict[str, tuple[Path, object]]:

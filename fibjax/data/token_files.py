@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from fibjax.data.sources import DataError
+from fibjax.data.special_tokens import SIDE_FILES
 from fibjax.data.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 META_FILE = "meta.json"
@@ -118,7 +119,7 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
     if not path.is_file():
         raise DataError(f"{path} is missing; the token files cannot be decoded without the tokenizer they were made with")
     try:  # the sha covers the special-token settings too, so it is the loaded tokenizer's
-        actual = load_tokenizer(path).sha256
+        actual = _tokenizer_sha256(path)
         found = f"has sha256 {actual[:12]}..."
     except TokenizerError as e:
         actual, found = None, f"does not load ({e})"
@@ -138,6 +139,19 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
             if split in source:
                 _check_size(data_dir / source[split]["file"], source[split]["tokens"], dtype)
     return meta
+
+
+_TOKENIZER_SHAS: dict[tuple, str] = {}
+
+
+def _tokenizer_sha256(path: Path) -> str:
+    """``load_tokenizer(path).sha256``, once per process while its files are unchanged: a large
+    tokenizer.json takes about a second to load, and load_meta runs once per source evaluated."""
+    files = [f for f in (path, *(path.parent / name for name in SIDE_FILES)) if f.is_file()]
+    key = tuple((str(f.resolve()), st.st_size, st.st_mtime_ns) for f in files for st in (f.stat(),))
+    if key not in _TOKENIZER_SHAS:
+        _TOKENIZER_SHAS[key] = load_tokenizer(path).sha256
+    return _TOKENIZER_SHAS[key]
 
 
 def _check_size(path: Path, tokens: int, dtype: np.dtype) -> None:

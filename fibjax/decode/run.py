@@ -74,11 +74,12 @@ def check_prompt_text(text: str) -> None:
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, max_new_tokens: int, limit: int | None) -> list[int]:
-    """The prompt's token ids, or SampleError when it is empty or the decode would not fit."""
+    """The prompt's token ids, or SampleError when it is empty or the decode would not fit. A
+    prompt begins a document: with BOS first where the tokenizer's source model puts one."""
     if max_new_tokens < 1:
         raise SampleError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_prompt_text(text)
-    ids = tokenizer.encode(text)
+    ids = tokenizer.document_start + tokenizer.encode(text)
     if limit is not None and len(ids) >= limit:
         raise SampleError(
             f"the prompt is {len(ids)} tokens, but this model takes at most {limit} tokens in all (prompt + new); shorten the prompt or raise --max-context"
