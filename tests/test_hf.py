@@ -234,3 +234,38 @@ def test_the_harness_scores_an_imported_model_after_bos_as_lm_eval_does(tmp_path
     log_probs = np.asarray(jax.nn.log_softmax(_model(load_run(tmp_path / "run"))(jnp.asarray([whole[:-1]]))[0]))
     expected = sum(log_probs[i - 1, whole[i]] for i in range(len(ctx), len(whole)))
     assert got == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_passkey_prompt_begins_with_bos_for_a_model_that_uses_it(tmp_path):
+    from fibjax.data.tokenizer import load_tokenizer
+    from fibjax.eval.passkey import build_prompt
+
+    tok = load_tokenizer(hf_models.handmade(tmp_path / "model"))
+    prompt = build_prompt(tok, 160, 0.5, "12345")
+    assert prompt.tokens[0] == tok.bos_id and len(prompt.tokens) == 161
+
+
+@pytest.mark.slow
+def test_every_command_works_on_an_imported_model(tmp_path):
+    """As the guide runs it: import, prepare text with the model's tokenizer, evaluate, sample,
+    and continue it with Fibonacci attention through init_from; then export the result."""
+    model_dir = hf_models.handmade(tmp_path / "model")
+    text, val = tmp_path / "text.txt", tmp_path / "val.txt"
+    text.write_text(" ".join(hf_models.synthetic.TOKENIZER_TEXT * 20))
+    val.write_text(" ".join(reversed(hf_models.synthetic.TOKENIZER_TEXT * 4)))
+    run, data, fib = tmp_path / "run", tmp_path / "data", tmp_path / "fib"
+
+    def launch(*args):
+        out = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    assert "imported" in launch("launch.import_hf", str(model_dir), "--workdir", str(run), "--seq-len", "32")
+    launch("launch.prepare_data", "--out", str(data), "--tokenizer", str(model_dir), "--source", f"text={text}", "--val", f"text={val}")
+    assert "| text | 64 |" in launch("launch.eval", "--workdir", str(run), "--data", f"text={data}", "--lengths", "32,64")
+    launch("launch.sample", "--workdir", str(run), "--prompt", "The quick", "--max-new-tokens", "4", "--greedy")
+    train = ("launch.train", "--config", str(run / "config.json"), "--workdir", str(fib), "--no-progress")
+    overrides = (f"init_from={run}", f"data.path={data}", "model.attention.kind=offset", "model.attention.alpha=staggered", "model.attention.window=4")
+    launch(*train, *overrides, "steps=4", "global_batch=8", "checkpoint.every_steps=2", "eval.every_steps=0", "eval.max_tokens=1024")
+    launch("launch.export_hf", "--workdir", str(fib), str(tmp_path / "exported"))
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["fibjax_attention"]["kind"] == "offset"

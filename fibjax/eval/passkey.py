@@ -38,7 +38,7 @@ PredictFn = Callable[[object, np.ndarray], np.ndarray]  # (params, tokens [N, L]
 class Prompt:
     tokens: np.ndarray  # [length + 1] int32: input tokens[:-1], next-token targets tokens[1:]
     answer_start: int  # index in tokens of the first answer token (the rest are answer)
-    needle_start: int  # index of the needle's first token; the filler before it is needle_start tokens
+    needle_start: int  # filler tokens before the needle (its index in tokens after the document start, BOS or none)
     haystack: int  # filler tokens in the prompt (needle, question and answer excluded)
     key: str
 
@@ -75,7 +75,8 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0)
         raise EvalError(f"depth must lie in [0, 1], got {depth}")
     question, answer = _answer_tokens(tokenizer, key)
     needle = tokenizer.encode(NEEDLE.format(key=key))
-    haystack = length + 1 - len(needle) - len(question) - len(answer)
+    start = tokenizer.document_start  # BOS where the source model begins its documents with it (an imported Llama's)
+    haystack = length + 1 - len(start) - len(needle) - len(question) - len(answer)
     if haystack < 0:
         raise EvalError(f"length {length} is too short: the needle, question and answer alone take {length - haystack} tokens")
     units = [tokenizer.encode(s) for s in FILLER]
@@ -88,7 +89,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0)
     filler = stream[cut:]
     boundaries = sorted({haystack, *(s - cut for s in starts if s >= cut)})  # never inside the cut first sentence
     at = min(boundaries, key=lambda b: (abs(b - depth * haystack), b))
-    tokens = filler[:at] + needle + filler[at:] + question + answer
+    tokens = start + filler[:at] + needle + filler[at:] + question + answer
     return Prompt(np.asarray(tokens, np.int32), len(tokens) - len(answer), at, haystack, key)
 
 

@@ -69,7 +69,7 @@ def plan_import(model_dir: str | Path, *, dtype: str | None = None) -> tuple[dic
     if tokenizer.vocab_size > model.vocab_size:
         raise UnsupportedModel(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocab_size {model.vocab_size}")
     seq_len = int(hf.get("max_position_embeddings") or 2048)
-    cfg = TrainConfig(name=model_dir.name, seq_len=seq_len, model=model, mesh=MeshConfig(data=1))
+    cfg = TrainConfig(name=model_dir.name, seq_len=seq_len, model=model)
     return hf, cfg, refs, tokenizer
 
 
@@ -87,7 +87,8 @@ def import_model(model_dir: str | Path, workdir: str | Path, *, seq_len: int | N
     hf, cfg, refs, tokenizer = plan_import(model_dir, dtype=dtype)
     data_dir = workdir / DATA_DIR
     cfg = dataclasses.replace(cfg, name=workdir.name, seq_len=seq_len or cfg.seq_len, data=DataConfig(path=str(data_dir)))
-    mesh = mesh or make_mesh(cfg.mesh, jax.devices()[:1])
+    # one device holds the weights while Orbax writes them (a data axis over many would replicate them)
+    mesh = mesh or make_mesh(MeshConfig(data=1), jax.devices()[:1])
     params = place(cfg.model, refs, mesh)
     try:
         workdir.mkdir(parents=True, exist_ok=True)
