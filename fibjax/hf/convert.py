@@ -34,6 +34,9 @@ from fibjax.hf.params import hf_tensors, place
 from fibjax.run.workdir import IMPORTED_FILE as SOURCE_FILE
 
 DATA_DIR = "data"
+# what Orbax may copy to the host at once while writing the imported weights (more than the
+# largest tensor): measured peak RSS of a 1 GB import, BUILD_NOTES "Hugging Face import"
+IN_FLIGHT_BYTES = 64 * 2**20
 # config.json fields that do not change the function but that a loader or generate() reads
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range", "use_cache")
 # Hugging Face's side files of a tokenizer, copied on export when the run came from a model directory
@@ -97,7 +100,8 @@ def import_model(model_dir: str | Path, workdir: str | Path, *, seq_len: int | N
         (workdir / TOKENIZER_PIN).write_text(tokenizer.sha256 + "\n")
         source = {"model_dir": str(Path(model_dir).resolve()), "model_type": hf["model_type"], "config": {k: hf[k] for k in CARRIED if k in hf}}
         token_files.write_json_atomically(workdir / SOURCE_FILE, source)
-        ckpt = Checkpointer(workdir, cfg.checkpoint)
+        largest = max(x.nbytes for x in jax.tree.leaves(params))
+        ckpt = Checkpointer(workdir, cfg.checkpoint, save_in_flight_bytes=max(largest + 2**20, IN_FLIGHT_BYTES))
         try:
             ckpt.save(0, {"params": params}, wait=True)
         finally:

@@ -52,7 +52,7 @@ def place(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef], mesh: Mesh) 
         view = refs[t.hf_name].map()
         view = view.T if t.transposed else view
         assert _get(wanted, t.path) == t.shape, (t, _get(wanted, t.path))
-        array = jax.make_array_from_callback(t.shape, _get(shardings, t.path), lambda idx, view=view: np.asarray(view[idx]).astype(dtype))
+        array = jax.make_array_from_callback(t.shape, _get(shardings, t.path), lambda idx, view=view: np.asarray(view[idx]).astype(dtype, copy=False))
         _set(params, t.path, array)
         del view  # the map is closed once the last slice is read
     missing = [p for p, _ in jax.tree_util.tree_flatten_with_path(wanted)[0] if not _has(params, p)]

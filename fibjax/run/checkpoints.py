@@ -89,14 +89,21 @@ class _VerifiedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 class Checkpointer:
     """Save / restore {state, data iterator} under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: Path, cfg: CheckpointConfig):
+    def __init__(self, workdir: Path, cfg: CheckpointConfig, *, save_in_flight_bytes: int | None = None):
+        """``save_in_flight_bytes``: the most bytes of the state a save copies to the host at once
+        (more than its largest array; default: Orbax's 96 GB). Bounded, a save of a model that
+        already fills host memory (an import on the CPU backend, where the device is the host)
+        adds that much instead of a second copy of the model."""
         self.directory = Path(workdir).resolve() / CHECKPOINTS_DIR
         self.set_aside_directory = self.directory.parent / SET_ASIDE_DIR
         self.keep = cfg.keep
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True, temporary_path_class=_VerifiedRename
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        handlers = None
+        if save_in_flight_bytes is not None:
+            handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=save_in_flight_bytes / 1e9)}  # Orbax's GB are 1e9 bytes
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         self._unchecked: int | None = None  # the step of the last save, until its result is checked
         failures.quiet_orbax_failures()
         finished, unverified = self.all_steps(), self.unverified_steps()
