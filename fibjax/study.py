@@ -246,7 +246,8 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
     )
     missing = sorted({s.missing_data for s in statuses if s.missing_data})
     if missing:
-        lines.append(f"data missing: {', '.join(missing)}: prepare it first (README, 'Training on real data'); those runs would fail at start")
+        where = "docs/guides/your-own-data.md \"5. The papers' and the CPU study's data\""
+        lines.append(f"data missing: {', '.join(missing)}: prepare it first ({where}); those runs would fail at start")
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ Your own text (any folder of .txt/.jsonl/.parquet files; 10% of documents held o
 
   python -m launch.prepare_data --out data/mine --vocab-size 8192 --val-fraction 0.1 --source mine=path/to/folder
 
-Hugging Face datasets (pip install -e ".[hf]", network; the README's "Training on real data"
-has the CPU and paper mixtures):
+Hugging Face datasets (pip install -e ".[hf]", network; docs/guides/your-own-data.md
+"5. The papers' and the CPU study's data" has the CPU and paper mixtures):
 
   python -m launch.prepare_data --out data/web --vocab-size 8192 --max-tokens 8000000 \\
     --source fineweb=hf:HuggingFaceFW/fineweb:sample-10BT
