@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch._args import Parser
+
 
 def _named(pairs: list[str]) -> dict[str, str]:
     from fibjax.data.sources import parse_named
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.data.prepare import DEFAULT_TOKENIZER_CHARS, DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
     from fibjax.errors import FibjaxError
 
-    parser = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--source", action="append", default=[], metavar="NAME=SPEC", help="a training source (repeatable)")
     parser.add_argument(
