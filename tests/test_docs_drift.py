@@ -110,7 +110,7 @@ def test_a_wrong_flag_and_a_wrong_key_are_caught():
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # README "X" / README: "X" / the README's "X" / README section "X", and PAGE.md "X" (a section of it)
 README_REF = re.compile(r"README(?:'s)?[,:]? (?:section )?[\"'“]([^\"'”]+)[\"'”]")
-PAGE_REF = re.compile(r"((?:docs/)?[\w./-]+\.md),? (?:section )?\"([^\"]+)\"")
+PAGE_REF = re.compile(r"`?((?:docs/)?[\w./-]+\.md)`?,? (?:section )?\"([^\"]+)\"")
 
 
 def _headings(page: Path) -> set[str]:
@@ -126,10 +126,10 @@ def _section_refs():
     for path in [*PAGES, *SOURCES]:
         text = path.read_text().replace('\\"', '"')
         for m in README_REF.finditer(text):
-            yield _rel(path), ROOT / "README.md", m.group(1)
+            yield _rel(path), ROOT / "README.md", " ".join(m.group(1).split())
         for m in PAGE_REF.finditer(text):
             target = (ROOT / m.group(1)) if (ROOT / m.group(1)).exists() else path.parent / m.group(1)
-            yield _rel(path), target, m.group(2)
+            yield _rel(path), target, " ".join(m.group(2).split())  # a reference may wrap
 
 
 def test_section_references_name_headings_that_exist():
@@ -155,7 +155,7 @@ def test_relative_links_resolve_outside_docs(page):
 
 # --- output blocks ----------------------------------------------------------------------------
 
-TEXT_BLOCK = re.compile(r"^([^\n]*)\n```text\n(.*?)^```", flags=re.M | re.S)
+TEXT_BLOCK = re.compile(r"^ *([^\n]*)\n *```text\n(.*?)^ *```", flags=re.M | re.S)  # in a list item too
 EXAMPLE = "<!-- example output -->"
 CHECKED = re.compile(r"^<!-- output checked by (tests/[\w/]+\.py)::(\w+) -->$")
 
