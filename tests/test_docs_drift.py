@@ -264,3 +264,25 @@ def test_each_timing_is_quoted_by_its_owner_only(topic):
                 quoted.append(f"{_rel(page)}: {DURATION.search(paragraph).group(0)}")
     assert not quoted, f"{topic}'s timings belong in {owner}"
     assert DURATION.search((ROOT / owner).read_text())
+
+
+# --- the attended-distances figure ----------------------------------------------------------------
+
+
+def test_the_attended_distances_figure_is_drawn_by_its_command(tmp_path):
+    from PIL import Image
+
+    from fibjax.attention import attended_distances
+    from fibjax.eval import attended
+    from launch import draw_attention
+
+    page = (ROOT / "docs" / "reference" / "attention.md").read_text()
+    assert "(../images/attended_distances.png)" in page and "`python -m launch.draw_attention`" in page
+    out = tmp_path / "a.png"
+    assert draw_attention.main(["--out", str(out)]) == 0
+    assert Image.open(out).size == Image.open(ROOT / "docs" / "images" / "attended_distances.png").size
+    learned = attended.learned_alphas(ROOT / "results" / "study" / "alpha.csv", "fib_learned_w8")
+    panels = attended.paper_panels(8, learned)
+    assert [p.title for p in panels][-1] == "fib learned, after training" and panels[-1].alphas == learned
+    top_layer = attended_distances(window=8, base="fibonacci", alpha=1.5, seq_len=256)
+    assert attended.rung_distances(panels[1], 7, window=8, seq_len=256) == [d for d in top_layer if d > 8]
