@@ -139,6 +139,12 @@ def test_section_references_name_headings_that_exist():
     assert not broken
 
 
+def test_pages_named_in_messages_and_help_texts_exist():
+    named = {(_rel(path), m) for path in SOURCES for m in re.findall(r"\bdocs/[\w/.-]+\.md\b", path.read_text())}
+    assert len(named) >= 3
+    assert [f"{where}: {page}" for where, page in sorted(named) if not (ROOT / page).is_file()] == []
+
+
 @pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "CHANGELOG.md"], ids=_rel)
 def test_relative_links_resolve_outside_docs(page):
     """docs/ pages are checked by tests/test_docs.py; these are the top-level pages."""
