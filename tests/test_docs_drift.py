@@ -72,7 +72,7 @@ def parse_error(module: str, words: list[str]) -> str | None:
     return None
 
 
-INLINE = re.compile(r"`(python -m launch\.[a-z_]+\b[^`]*)`")
+INLINE = re.compile(r"`(?:(?:nice|time|/usr/bin/time -v) )*(python -m launch\.[a-z_]+\b[^`]*)`")
 
 
 def _inline_commands(page: Path):
