@@ -1,5 +1,5 @@
 """Modules that moved keep their old import path for a while: a module ``__getattr__`` that
-finds each name at its new home and says where, with a DeprecationWarning (to be removed)."""
+finds each name at its new home and says where, with a DeprecationWarning; removed in 0.3.0 (CHANGELOG.md, "Deprecated")."""
 
 from __future__ import annotations
 

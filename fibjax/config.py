@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import importlib.util
 import json
 import traceback
@@ -516,7 +517,8 @@ def from_dict(cls, data: dict, path: str = ""):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{path or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+        hint = _did_you_mean(unknown[0], names, f"{path}." if path else "") if len(unknown) == 1 else ""
+        raise ConfigError(f"{path or cls.__name__}: unknown key(s) {unknown}{hint}; known: {sorted(names)}")
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -568,7 +570,7 @@ def _replace_all(node, changes: dict, prefix: str = ""):
     for head, change in changes.items():
         full = change.full if isinstance(change, _Leaf) else next(_leaves(change)).full
         if head not in names:
-            raise ConfigError(f"{full}: unknown key {head!r} in {type(node).__name__}; known: {sorted(names)}")
+            raise ConfigError(f"{full}: unknown key {head!r} in {type(node).__name__}{_did_you_mean(head, names, prefix)}; known: {sorted(names)}")
         if isinstance(change, _Leaf):
             values[head] = _coerce(change.value, typing.get_type_hints(type(node))[head], change.full)
             continue
@@ -582,9 +584,33 @@ def _replace_all(node, changes: dict, prefix: str = ""):
         raise ConfigError(f"{prefix}{e}") from None
 
 
+def _did_you_mean(name: str, names, prefix: str) -> str:
+    """``" (did you mean model.window?)"`` for a near miss (a typo), else nothing."""
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 def _leaves(changes: dict):
     for change in changes.values():
         yield from _leaves(change) if isinstance(change, dict) else (change,)
+
+
+# where "configs/..." names resolve when not found from the working directory: a clone's
+# configs/ (an editable install), else the copy a wheel ships inside the package (pyproject.toml)
+SHIPPED_CONFIGS = (Path(__file__).resolve().parent.parent / "configs", Path(__file__).resolve().parent / "configs")
+
+
+def find_config_file(path: str | Path) -> Path:
+    """``path`` if it is a file; else, for ``configs/X.py``, the config of that name that fibjax
+    ships, so that the documented commands work from any directory and from a wheel."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_absolute() and path.parts[:1] == ("configs",):
+        for root in SHIPPED_CONFIGS:
+            if (root.joinpath(*path.parts[1:])).is_file():
+                return root.joinpath(*path.parts[1:])
+    raise ConfigError(f"config file {str(path)!r} does not exist (configs/NAME.py also finds the configs shipped with fibjax: {SHIPPED_CONFIGS[-1]})")
 
 
 def load_config_file(path: str | Path):
@@ -593,9 +619,7 @@ def load_config_file(path: str | Path):
 
     Anything that goes wrong in the file (a syntax error, a failing import, an exception in
     ``get_config()``, a wrong return value) is one ConfigError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    path = find_config_file(path)
     if path.suffix == ".json":
         try:
             return from_dict(TrainConfig, json.loads(path.read_text()))

@@ -18,7 +18,7 @@ VARIANTS = ("fib_fixed", "fib_learned", "fib_stagger", "fib_coprime", "pow2_stag
 # 4 windows x 5 variants + pow2 fixed at W=8 = the paper's 21 sparse models, plus dense
 MATRIX = tuple(f"{v}_w{w}" for w in WINDOWS for v in VARIANTS) + ("pow2_fixed_w8", "dense")
 PAPER_MIXTURE = "fineweb_edu=0.35,wikipedia=0.22,tinystories=0.20,math=0.23"
-# the commands that prepare the paper configs' data (README "Training on real data"; online)
+# the commands that prepare the paper configs' data (docs/guides/your-own-data.md "5. The papers' and the CPU study's data"; online)
 PREPARE_PAPER = (
     "python -m launch.prepare_data --out data/paper --vocab-size 32768 --max-tokens 150000000 "
     "--source fineweb_edu=hf:HuggingFaceFW/fineweb-edu:sample-10BT --source wikipedia=hf:wikimedia/wikipedia:20231101.en "
@@ -52,7 +52,7 @@ def attention(name: str, max_rung: int = 0) -> AttentionConfig:
 
 
 def paper(name: str) -> TrainConfig:
-    """The paper's recipe; data: a prepared mixture in data/paper (see README, "Real data")."""
+    """The paper's recipe; data: a prepared mixture in data/paper (see docs/guides/your-own-data.md "5. The papers' and the CPU study's data")."""
     return TrainConfig(
         name=name,
         seed=42,
@@ -70,7 +70,7 @@ def paper(name: str) -> TrainConfig:
 
 
 def cpu(name: str) -> TrainConfig:
-    """The same model names at CPU size; data: data/cpu from ../shared/data (README, "Real data").
+    """The same model names at CPU size; data: data/cpu from ../shared/data (see docs/guides/your-own-data.md "5. The papers' and the CPU study's data").
 
     Fibonacci rungs are bounded by the training length (<= 255: up to 233), so that, as in the
     paper (987 < 1024), every rung at alpha <= 1 was attended in training."""

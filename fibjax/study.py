@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fibjax.config import ConfigError, TrainConfig, apply_overrides, load_config_file
+from fibjax.config import ConfigError, TrainConfig, apply_overrides, find_config_file, load_config_file
 from fibjax.errors import FibjaxError
 from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
@@ -113,9 +113,7 @@ class Study:
 def load_study(path: str | Path) -> Study:
     import importlib.util
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"study file {str(path)!r} does not exist")
+    path = find_config_file(path)  # configs/study/... also from an installed wheel
     spec = importlib.util.spec_from_file_location(f"fibjax_study_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -246,7 +244,8 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
     )
     missing = sorted({s.missing_data for s in statuses if s.missing_data})
     if missing:
-        lines.append(f"data missing: {', '.join(missing)}: prepare it first (README, 'Training on real data'); those runs would fail at start")
+        where = "docs/guides/your-own-data.md \"5. The papers' and the CPU study's data\""
+        lines.append(f"data missing: {', '.join(missing)}: prepare it first ({where}); those runs would fail at start")
     return "\n".join(lines)
 
 

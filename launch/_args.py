@@ -41,3 +41,11 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: argparse's own prints the whole usage block
+    (13 lines for launch.eval) above the ``error:`` line, burying it."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (python -m {self.prog.removeprefix('python -m ')} --help lists the options)\n")

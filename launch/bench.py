@@ -14,7 +14,7 @@ import sys
 
 import jax
 
-from launch._args import comma_list, parse_with_overrides
+from launch._args import Parser, comma_list, parse_with_overrides
 
 _ints = comma_list(int, minimum=1)
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.bench import attention as attn_bench
     from fibjax.bench import decode as decode_bench
 
-    parser = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     defaults = dict(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p = sub.add_parser("attention", help="attention paths, forward and forward+backward (CPU default: about 4 minutes)", **defaults)

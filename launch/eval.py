@@ -19,7 +19,7 @@ import re
 import sys
 
 from launch import processes
-from launch._args import comma_list
+from launch._args import Parser, comma_list
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
 
@@ -41,7 +41,7 @@ def _tag(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) to evaluate")
     parser.add_argument("--step", type=_positive, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument(

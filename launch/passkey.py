@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 from launch import processes
-from launch._args import comma_list
+from launch._args import Parser, comma_list
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) of the model to test")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--lengths", type=comma_list(int, minimum=1, noun="length"), default=[256, 512, 1024], help="context lengths in tokens")

@@ -14,11 +14,11 @@ import math
 import os
 import sys
 
-from launch._args import parse_with_overrides
+from launch._args import Parser, parse_with_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a Python config file with get_config()")
     parser.add_argument("--devices", type=int, default=None, help="the job's devices (default: mesh.devices, else the mesh's product; needed if an axis is -1)")
     parser.add_argument("--no-compile", action="store_true", help="shapes only: skip compiling the step")

@@ -15,8 +15,8 @@ uses, read from its directory; each document is written as [BOS] tokens EOS as t
 
   python -m launch.prepare_data --out data/mine-llama --tokenizer path/to/Llama-3.2-1B --source mine=path/to/folder
 
-Hugging Face datasets (pip install -e ".[hf]", network; the README's "Training on real data"
-has the CPU and paper mixtures):
+Hugging Face datasets (pip install -e ".[hf]", network; docs/guides/your-own-data.md
+"5. The papers' and the CPU study's data" has the CPU and paper mixtures):
 
   python -m launch.prepare_data --out data/web --vocab-size 8192 --max-tokens 8000000 \\
     --source fineweb=hf:HuggingFaceFW/fineweb:sample-10BT
@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch._args import Parser
+
 
 def _named(pairs: list[str]) -> dict[str, str]:
     from fibjax.data.sources import parse_named
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.data.prepare import DEFAULT_TOKENIZER_CHARS, DEFAULT_VAL_FRACTION, DEFAULT_VOCAB_SIZE
     from fibjax.errors import FibjaxError
 
-    parser = argparse.ArgumentParser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.prepare_data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--source", action="append", default=[], metavar="NAME=SPEC", help="a training source (repeatable)")
     parser.add_argument(

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from launch._args import comma_list
+from launch._args import Parser, comma_list
 
 
 def _list(kind):
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.probe import grid
 
     d = grid.GridOptions()
-    parser = argparse.ArgumentParser(prog="python -m launch.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="output directory (default results/probe; runs/probe-smoke with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="one small dense cell, then its report")
     parser.add_argument("--experiments", type=_list(str), default=d.experiments, help=f"any of {','.join(grid.EXPERIMENTS)}")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch._args import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories or eval JSON files")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--reference", default=None, help="run whose position-bin NLL the others are compared to")

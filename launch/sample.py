@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from launch._args import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.sample", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     prompt = parser.add_mutually_exclusive_group(required=True)

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch._args import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="a study file with get_study(), e.g. configs/study/cpu.py")
     parser.add_argument("--only", default=None, help="comma-separated run names (default: every run)")
     parser.add_argument("--stage", type=int, default=None, help="only the runs of this stage (default: every stage, in file order)")

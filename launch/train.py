@@ -22,16 +22,16 @@ import sys
 from pathlib import Path
 
 from launch import processes
-from launch._args import parse_with_overrides
+from launch._args import Parser, parse_with_overrides
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
 # array or scheduler requeues it (0 would read as finished)
 EXIT_STOPPED = 3
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.py"
+DEFAULT_CONFIG = "configs/tiny.py"  # found in a clone or in the wheel's copy (fibjax.config.find_config_file)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Python config file with get_config() (default: configs/tiny.py)")
     parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -43,19 +43,30 @@ def main(argv: list[str] | None = None) -> int:
         help="continue from checkpoint step S instead of the latest (later steps are moved to RUN/checkpoints.set_aside/)",
     )
     processes.add_arguments(parser)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, anywhere among the flags, e.g. model.attention.window=8 steps=200")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="key=value overrides, anywhere among the flags, e.g. model.attention.window=8 steps=200 data.path=data/mine "
+        "(prepared data: docs/guides/your-own-data.md); every key, its type and default: docs/reference/config.md",
+    )
     args = parse_with_overrides(parser, argv)
     processes.apply(parser, args)  # before anything initialises JAX
 
+    from fibjax.config import apply_overrides, load_config_file
+    from fibjax.errors import FibjaxError
+
+    try:  # the config is pure Python: a typo is reported before JAX's seconds of importing
+        cfg = apply_overrides(load_config_file(args.config), args.overrides)
+    except FibjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     import jax
 
-    from fibjax.config import apply_overrides, load_config_file
     from fibjax.data.token_files import free_space
-    from fibjax.errors import FibjaxError
     from fibjax.train.loop import train
 
     try:
-        cfg = apply_overrides(load_config_file(args.config), args.overrides)
         workdir = Path(args.workdir or Path("runs") / cfg.name)
         result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
     except FibjaxError as e:

@@ -373,19 +373,13 @@ def test_an_override_error_names_its_field_once(capsys):
         apply_overrides(TrainConfig(), ["model.attention.window=-3"])
 
 
-def test_a_paper_config_without_its_data_names_the_command_that_prepares_it(tmp_path, capsys):
+def test_a_paper_config_without_its_data_names_the_command_that_prepares_it(tmp_path, capsys, monkeypatch):
+    """(With data.path pointing elsewhere the config's own command would prepare the wrong
+    directory: tests/test_first_hour.py checks that case.)"""
     from launch.train import main
 
-    rc = main(
-        [
-            "--config",
-            str(ROOT / "configs" / "paper" / "fib_stagger_w8.py"),
-            "--workdir",
-            str(tmp_path / "run"),
-            "--no-progress",
-            f"data.path={tmp_path / 'data_paper'}",
-        ]
-    )
+    monkeypatch.chdir(tmp_path)  # data/paper is relative: absent here
+    rc = main(["--config", str(ROOT / "configs" / "paper" / "fib_stagger_w8.py"), "--workdir", str(tmp_path / "run"), "--no-progress"])
     out = capsys.readouterr()
     line = assert_one_error(rc, out.out + out.err, "does not exist", "python -m launch.prepare_data --out data/paper", "math=hf:open-web-math")
     assert "fineweb_edu=hf:HuggingFaceFW/fineweb-edu" in line

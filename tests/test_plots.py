@@ -50,6 +50,30 @@ def test_loss_png_draws_the_validation_curve_beside_the_training_loss(tmp_path, 
     without, _ = rep.load_runs([fake_run(tmp_path / "x", "plain", datasets={"d": rows_for([50.0])})])
     plots.plot_loss(without, tmp_path / "plain.png", plots.run_styles(["plain"]))
     assert drawn[1].get_suptitle() == "Training loss"
+    log_scaled = [fig for fig in drawn if fig.axes[0].get_yscale() == "log"]
+    assert all("log scale" in fig.axes[0].get_ylabel() for fig in log_scaled)
+    assert all("log scale" not in fig.axes[0].get_ylabel() for fig in drawn if fig not in log_scaled)
+
+
+def test_a_log_scaled_loss_axis_says_so(tmp_path, drawn):
+    workdir = fake_run(tmp_path, "tiny", datasets={"d": rows_for([50.0])}, step=100)
+    with (workdir / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps({"step": s, "loss": 8.0 / s**0.5}) + "\n" for s in range(1, 101))
+    runs, _ = rep.load_runs([workdir])
+    plots.plot_loss(runs, tmp_path / "loss.png", plots.run_styles(["tiny"]))
+    assert drawn[0].axes[0].get_yscale() == "log" and drawn[0].axes[0].get_ylabel() == "loss (nats per token, log scale)"
+
+
+def test_the_alpha_plot_explains_open_markers_only_when_it_draws_them(tmp_path, drawn):
+    runs, _ = rep.load_runs([fake_run(tmp_path, "ramp", datasets={"d": rows_for([50.0])}, alphas=(0.5, 1.0, 1.5))])
+    plots.plot_alpha(runs, tmp_path / "alpha.png", plots.run_styles(["ramp"]))
+    assert "open markers" not in drawn[0].axes[0].get_title() and "shaded" in drawn[0].axes[0].get_title()
+
+
+def test_titles_wrap_between_phrases():
+    title = "Passkey retrieval: tiny step 200, trained at 256 (offset attention)"
+    assert plots.wrap_phrases(title, 30) == "Passkey retrieval:\ntiny step 200, trained at 256\n(offset attention)"
+    assert plots.wrap_phrases("short", 30) == "short"
 
 
 def test_a_long_passkey_title_is_wrapped_not_cut(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 Every model is the CPU recipe of ``fibjax.recipes.cpu`` (d_model 128, 8 layers, seq 256, Fibonacci
 rungs bounded by the training length) with only the attention differing, trained on data/cpu
-(README: "Training on real data") for 2,000 steps x 4,096 tokens = 8.2M tokens, with validation
+(docs/guides/your-own-data.md "5. The papers' and the CPU study's data") for 2,000 steps x 4,096 tokens = 8.2M tokens, with validation
 curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens per dataset.
 Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
 """

@@ -29,7 +29,7 @@ _LAZY = {
 }
 
 
-# earlier names -> their present names (a DeprecationWarning on use; to be removed)
+# earlier names -> their present names (a DeprecationWarning on use; removed in 0.3.0, CHANGELOG.md)
 _RENAMED = {"alpha_to_theta": "alpha_to_logit", "learned_rung_bases": "rung_slots", "learned_rung_spec": "rung_taps"}
 
 

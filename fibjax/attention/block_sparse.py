@@ -21,7 +21,7 @@ values at the lower index first); chunks go in runs that read only the blocks be
 end (about 9/16 of a [T, T/B] product). The attention: ``block_grouped``, the (query, block)
 pairs grouped by block, so its cost follows the S x B keys a query reads. O(T x S x D) memory
 traffic for the attention, O(T x T/B x D) arithmetic for the choice.
-Decisions and figures: BUILD_NOTES.md, "Block-sparse attention and passkey".
+Decisions and figures: BUILD_NOTES.md, "Block-sparse (MoBA)".
 """
 
 from __future__ import annotations

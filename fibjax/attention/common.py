@@ -1,6 +1,6 @@
 """Pieces every attention path shares: argument checks, head grouping, the masked softmax.
 
-Shape letters (README "Glossary"): B batch, T sequence, H query heads, K key/value heads,
+Shape letters (docs/design.md "Principles"): B batch, T sequence, H query heads, K key/value heads,
 G = H // K query heads per KV head, D head dim, S attended slots, J keys of a band block.
 """
 

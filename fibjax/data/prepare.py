@@ -31,7 +31,7 @@ import tokenizers
 from tqdm.auto import tqdm
 
 from fibjax.data.sentencepiece_tokenizer import train_tokenizer
-from fibjax.data.sources import EMBEDDED_SPEC, DataError, check_name, describe_inputs, is_held_out, is_hf, read_documents
+from fibjax.data.sources import EMBEDDED_SPEC, DataError, check_hub_reachable, check_name, describe_inputs, is_held_out, is_hf, read_documents
 from fibjax.data.token_files import FORMAT_VERSION, META_FILE, free_space, load_meta, read_meta_file, split_file, token_dtype, write_json_atomically
 from fibjax.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, Tokenizer, load_tokenizer
 
@@ -64,6 +64,24 @@ def _full_disk_is_a_data_error(prepare_fn):
     return wrapper
 
 
+def _no_empty_directory_left(prepare_fn):
+    """A failure before anything was written leaves no empty ``out_dir`` behind (a later run
+    would otherwise find a directory that looks prepared but is not)."""
+
+    @functools.wraps(prepare_fn)
+    def wrapper(out_dir, *args, **kwargs):
+        created = not Path(out_dir).exists()
+        try:
+            return prepare_fn(out_dir, *args, **kwargs)
+        except BaseException:
+            if created and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
+                Path(out_dir).rmdir()
+            raise
+
+    return wrapper
+
+
+@_no_empty_directory_left
 @_full_disk_is_a_data_error
 def prepare(
     out_dir: str | os.PathLike,
@@ -117,6 +135,7 @@ def prepare(
             fix = f"{redo} to prepare it again" if redo else "choose another output directory or pass --overwrite"
             raise DataError(f"{str(out_dir)!r} already holds data prepared from other inputs or options; {fix}")
         (out_dir / META_FILE).unlink()
+    check_hub_reachable([*sources.values(), *val.values()])  # before any directory is made
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def train_documents(name: str) -> Iterator[str]:

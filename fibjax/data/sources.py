@@ -19,8 +19,11 @@ import glob
 import gzip
 import hashlib
 import json
+import os
 import re
+import socket
 import sys
+import urllib.parse
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +164,30 @@ def _parquet(path: Path) -> Iterator[str]:
 
 
 _READERS = {".txt": _txt, ".jsonl": _jsonl, ".jsonl.gz": _jsonl, ".parquet": _parquet}
+
+
+def check_hub_reachable(specs, timeout_s: float = 10.0) -> None:
+    """One error at once when ``hf:`` sources cannot be read: no ``datasets`` package, or no
+    connection to the Hub. Without this check ``datasets`` retries each request many times
+    (dozens of warnings over minutes) before failing. Offline mode (``HF_DATASETS_OFFLINE`` or
+    ``HF_HUB_OFFLINE`` set to 1) reads the local cache, so the connection is not checked."""
+    hf = [spec for spec in specs if is_hf(spec)]
+    if not hf:
+        return
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise DataError(f"source {hf[0]!r} needs the Hugging Face 'datasets' package: pip install -e \".[hf]\"") from None
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
+        return
+    url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout_s).close()
+    except OSError as e:
+        raise DataError(
+            f"cannot reach the Hugging Face Hub ({url.hostname}: {e.strerror or e}) to stream {hf[0]!r}: run where it is reachable, "
+            "or set HF_DATASETS_OFFLINE=1 to read datasets already in the local Hugging Face cache"
+        ) from None
 
 
 def _hf_documents(spec: str) -> Iterator[str]:

@@ -109,7 +109,7 @@ def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = Non
     if not data_dir.is_dir():
         raise DataError(
             f"data directory {str(data_dir)!r} does not exist; prepare it with python -m launch.prepare_data --out {data_dir} "
-            "--source NAME=FILES_OR_hf:DATASET (one --source per corpus; see the README, 'Training on real data')"
+            "--source NAME=FILES_OR_hf:DATASET (one --source per corpus; docs/guides/your-own-data.md)"
         )
     meta = read_meta_file(data_dir)
     if meta is None:

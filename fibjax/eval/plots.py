@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +185,23 @@ def fit_titles(fig: Figure, *, rounds: int = 3) -> None:
         for text, shrink in clipped:
             lines = text.get_text().split("\n")
             fit = max(12, int(max(map(len, lines)) * shrink))
-            text.set_text("\n".join(textwrap.fill(line, fit) for line in lines))
+            text.set_text("\n".join(wrap_phrases(line, fit) for line in lines))
+
+
+def wrap_phrases(line: str, width: int) -> str:
+    """``line`` in lines of at most ``width`` characters, broken after a phrase (``, `` ``: ``
+    ``; `` or before `` (``) where one fits, so that "trained at 256" never splits as "trained
+    at" / "256"; a phrase longer than ``width`` alone is broken at spaces."""
+    phrases = re.findall(r".+?(?:[,:;] |(?= \()|$)", line)
+    out, current = [], ""
+    for phrase in phrases:
+        if current and len(current + phrase.rstrip()) > width:
+            out.append(current.rstrip())
+            current = phrase.lstrip()
+        else:
+            current += phrase
+    out.append(current.rstrip())
+    return "\n".join(textwrap.fill(part, width) if len(part) > width else part for part in out if part)
 
 
 def _save(fig: Figure, path: Path) -> bool:
@@ -237,14 +254,15 @@ def plot_ppl_vs_length(runs, datasets: list[str], path: Path, styles: dict[str, 
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [f"{t}\n(trained)" if t in train_lens else str(t) for t in ticks])
         ax.xaxis.set_minor_locator(NullLocator())
-        if ppls and max(ppls) / min(ppls) > 3:
+        log = bool(ppls) and max(ppls) / min(ppls) > 3
+        if log:
             _log_y(ax)
         elif ppls:
             _span_at_least(ax, min(ppls), max(ppls), MIN_PPL_SPAN)
         for t in train_lens:
             ax.axvline(t, color=GUIDE, linestyle=":", linewidth=1.2, zorder=0)
         ax.set_xlim(ticks[0] / 1.25, ticks[-1] * 1.25)
-        ax.set_title(d)
+        ax.set_title(f"{d} (perplexity on a log scale)" if log else d)  # the y label is on the first panel only
         ax.set_xlabel("evaluation length (tokens, log scale)")
     return _finish_panels(fig, axes, "perplexity (lower is better)", "Perplexity vs evaluation length" + (f": {title}" if title else ""), path)
 
@@ -329,7 +347,7 @@ def plot_alpha(runs, path: Path, styles: dict[str, RunStyle]) -> bool:
     ax.set_ylim(0.42, 1.58)
     ax.set_xlabel("layer (0 = first)")
     ax.set_ylabel("alpha (rung scale)")
-    note = "shaded: the allowed range 0.5–1.5; open markers: a learned run's initial value"
+    note = "shaded: the allowed range 0.5–1.5" + ("; open markers: a learned run's initial value" if any(init for _, init, _ in lines) else "")
     no_alpha = [r.label for r in runs if r not in with_alpha]
     if no_alpha:
         names = ", ".join(no_alpha) if len(no_alpha) <= 3 else f"{len(no_alpha)} runs"
@@ -410,10 +428,11 @@ def plot_loss(runs, path: Path, styles: dict[str, RunStyle], reference=None) -> 
         if len(val):  # unlabelled: the legend names runs; the subtitle says what the dashed lines are
             ax.plot(val_steps, val, color=s.color, linestyle="--", marker=s.marker, markerfacecolor="white", linewidth=1.6, markersize=6)
     all_loss = np.concatenate([c[1] for c in curves.values()] + [v[1] for v in val_curves.values()])
-    if all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5:
+    log = all_loss.min() > 0 and all_loss.max() / all_loss.min() > 1.5
+    if log:
         _log_y(ax)
     ax.set_xlabel("training step")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set_ylabel("loss (nats per token, log scale)" if log else "loss (nats per token)")
     note = "\ndashed, open markers: validation NLL (mean over the run's validation sets)" if with_val else ""
     ax.set_title(f"faint: training loss, every step; bold: centred mean over {window} steps{note}", fontsize=10)
     if gap:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -75,7 +76,7 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
             for split in source.values():
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
     except DataError as e:
-        if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
+        if cfg.data.path and _prepares(cfg.data.prepare, cfg.data.path) and not (data_dir / META_FILE).exists():
             raise DataError(
                 f"data directory {str(data_dir)!r} {'holds no prepared data' if data_dir.exists() else 'does not exist'}; this config's data "
                 f'is prepared (online: Hugging Face datasets, pip install -e ".[hf]") by: {cfg.data.prepare}'
@@ -87,6 +88,13 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
     return meta["tokenizer"]["sha256"]
+
+
+def _prepares(command: str, path: str) -> bool:
+    """``command`` (a config's ``data.prepare``) writes ``path``: with ``data.path`` overridden to
+    other data, the config's own command would prepare the wrong directory."""
+    words = shlex.split(command)
+    return "--out" in words[:-1] and Path(words[words.index("--out") + 1]) == Path(path)
 
 
 def start_step(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> int:
