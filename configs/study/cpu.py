@@ -27,7 +27,7 @@ LONG = ("--lengths", "256,2048,4096")
 # pairs, then learned, then a dense run for the 16x comparison; all from one commit.
 SEEDS = (44, 45, 46)
 # The interpolation control: the learned path's interpolated rungs with alpha frozen at 0.99
-FROZEN = "configs/cpu/fib_frozen099_w8.py"
+FROZEN = "configs/study/fib_frozen099_w8.py"
 # The scale trend (runs added after the five-seed test): validation curves at 1x and 4x against
 # tokens seen, 4x on the first 8,192 tokens of each source (about 1% of a run's time)
 CURVE = ("eval.curve_multipliers=1,4", "eval.curve_long_tokens=8192")
