@@ -276,7 +276,7 @@ def table(rows: list[tuple[Case, dict]]) -> str:
             got = {m: res.get((name, m)) for m in modes}
             ms = [f"{got[m].ms:.3f}" if got[m] else "-" for m in modes]
             rates = {m: roofline.achieved(case, name, m, got[m].ms) if got[m] else None for m in modes}
-            gbs = [f"{rates[m][0]:.1f}" if rates[m] else "-" for m in modes]
+            gbs = [f"{rates[m][0]:.3g}" if rates[m] else "-" for m in modes]
             tfs = [f"{rates[m][1]:.3g}" if rates[m] else "-" for m in modes]
             rel = [f"{ratio(got[m], res[(ref, m)]):.3f}" if got[m] and (ref, m) in res else "-" for m in modes]
             peaks = [f"{got[m].peak_mb:.0f}" if got[m] else "-" for m in modes]
