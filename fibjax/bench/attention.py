@@ -88,9 +88,34 @@ def _block_sparse_pallas(case: Case) -> Callable:
 
 
 def _cudnn(case: Case) -> Callable:
-    if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
-        raise Unavailable("cudnn needs a GPU and a 16-bit dtype")
+    _need_gpu_16bit(case, "cudnn")
     return lambda q, k, v, alpha: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
+
+
+def _need_gpu_16bit(case: Case, what: str) -> None:
+    if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
+        raise Unavailable(f"{what} needs a GPU and a 16-bit dtype")
+
+
+def _triton_flash(case: Case) -> Callable:
+    """JAX's own dense causal flash attention on Pallas' Triton backend: what that backend reaches
+    on this GPU for plain tiles (the backend decision, BUILD_NOTES "Backend and pin")."""
+    _need_gpu_16bit(case, "triton_flash")
+    if case.kv_heads != case.heads:
+        raise Unavailable("triton_flash has no grouped KV heads")
+    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+
+    return lambda q, k, v, alpha: triton_attention.mha(q, k, v, None, sm_scale=case.head_dim**-0.5, causal=True)
+
+
+def _mosaic_flash(case: Case) -> Callable:
+    """The same on Mosaic GPU (``attention_mgpu``: warpgroup matrix multiplies, Hopper only; no causal
+    backward yet, so forward only: ``FORWARD_ONLY``)."""
+    _need_gpu_16bit(case, "mosaic_flash")
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return lambda q, k, v, alpha: attention_mgpu.attention(q, k, v, config)
 
 
 class Unavailable(Exception):
@@ -144,7 +169,10 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "learned_pallas": _learned_pallas,
     "block_sparse_pallas": _block_sparse_pallas,
     "cudnn": _cudnn,
+    "triton_flash": _triton_flash,
+    "mosaic_flash": _mosaic_flash,
 }
+FORWARD_ONLY = frozenset({"mosaic_flash"})
 # paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
 EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.timers)}
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
@@ -163,6 +191,8 @@ RATIOS: list[tuple[str, str]] = [
     ("learned_pallas", "cudnn"),
     ("block_sparse_pallas", "block_sparse"),
     ("block_sparse_pallas", "cudnn"),
+    ("triton_flash", "cudnn"),
+    ("mosaic_flash", "cudnn"),
     ("static_pallas", "dense"),  # on TPU, dense is JAX's Pallas flash attention (fibjax/attention/fused.py)
 ]
 
@@ -247,15 +277,16 @@ def run(
             progress(f"seq {case.seq_len} {name}: skipped ({e})")
             continue
         timers[(name, "fwd")] = Timer(f, q, k, v, alpha)
-        timers[(name, "fwd+bwd")] = Timer(forward_backward(f), q, k, v, alpha)
+        if name not in FORWARD_ONLY:
+            timers[(name, "fwd+bwd")] = Timer(forward_backward(f), q, k, v, alpha)
     rounds_ms, order = {key: [] for key in timers}, list(timers)
     for r in range(rounds if order else 0):  # each round starts one path later, so no path always follows the same one
         for key in order[r % len(order) :] + order[: r % len(order)]:
             rounds_ms[key].append(timers[key].times(repeats))
     for key, timer in timers.items():
         results[key] = timer.measurement(rounds_ms[key])
-    for name in dict.fromkeys(n for n, _ in timers):
-        progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
+    for name, mode in timers:
+        progress(f"seq {case.seq_len} {name} {mode}: {results[(name, mode)].ms:.1f} ms")
     return {key: results[key] for key in sorted(results, key=lambda kv: paths.index(kv[0]))}
 
 
