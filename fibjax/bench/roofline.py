@@ -25,6 +25,9 @@ import numpy as np
 
 from fibjax.attention.offset_xla import frozen_rungs
 
+# the interpolated paths: rungs at lo = floor(alpha f), each blending two neighbouring rows
+LEARNED = ("learned", "learned_pallas", "learned_frozen")
+
 
 def traffic_bytes(case, mode: str) -> int:
     """Compulsory HBM bytes of one call of ``mode`` ("fwd" or "fwd+bwd"); ``case`` a bench Case."""
@@ -55,9 +58,9 @@ def pairs(case, path: str) -> int:
     t = case.seq_len
     if path in ("dense", "cudnn", "torch_sdpa"):
         return t * (t + 1) // 2
-    if path in ("static", "static_pallas", "learned_frozen"):
+    if path in ("static", "static_pallas"):
         return _rows_from(t, case.distances)
-    if path in ("learned", "learned_pallas"):
+    if path in LEARNED:
         return _rows_from(t, range(case.window + 1)) + _rows_from(t, _active_rungs(case))
     if path in ("block_sparse", "block_sparse_pallas"):
         return block_pairs(t, case.sparse_block, case.sparse_blocks)[0]
@@ -83,7 +86,7 @@ def _extra_flops(case, path: str) -> int:
     b, kh, d, t = case.batch, case.kv_heads, case.head_dim, case.seq_len
     if path in ("block_sparse", "block_sparse_pallas"):
         return selection_flops(case)
-    if path in ("learned", "learned_pallas"):
+    if path in LEARNED:
         return 2 * 3 * d * b * kh * _rows_from(t, _active_rungs(case))
     if path == "nsa":
         j, blocks = case.sparse_block, t // case.sparse_block
