@@ -85,11 +85,11 @@ SPARSE=$REF,block_sparse,block_sparse_pallas,nsa
 $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
 
 step "0. backend probe: dense flash, Triton vs Mosaic GPU vs cuDNN, seq $SEQ_MAIN" 60 attention "$SEQ_MAIN" 8 cudnn,triton_flash,mosaic_flash
-step "1. kernels vs the XLA path (fp32 full precision, bf16 GQA)" 200 $PY -m launch.bench kernels --pallas-blocks "$BEST" "${KERNELS[@]}"
+step "1. kernels vs the XLA path (fp32 full precision, bf16 GQA)" 200 $PY -m launch.bench kernels --pallas-blocks "$BEST" ${KERNELS[@]+"${KERNELS[@]}"}
 step "2a. offsets, seq $SEQ_MAIN, K=8" 90 attention "$SEQ_MAIN" 8 "$OFFSETS"
 step "2b. block-sparse 16 x 16 and NSA, seq $SEQ_MAIN, K=2, phases" 90 attention "$SEQ_MAIN" 2 "$SPARSE" --phases
 step "3. SSA training step vs FullAttn (paper B's shape, batch 2)" 120 $PY -m launch.bench train \
-  --configs configs/ssa/paper_fullattn.py,configs/ssa/paper_ssa.py --steps 3 --rounds 2 global_batch=2 "${TRAIN[@]}"
+  --configs configs/ssa/paper_fullattn.py,configs/ssa/paper_ssa.py --steps 3 --rounds 2 global_batch=2 ${TRAIN[@]+"${TRAIN[@]}"}
 step "4a. offsets, seq $SEQ_LONG, K=8" 70 attention "$SEQ_LONG" 8 "$OFFSETS"
 step "4b. block-sparse and NSA, seq $SEQ_LONG, K=2, phases" 70 attention "$SEQ_LONG" 2 "$SPARSE" --phases
 step "4c. offsets, seq $SEQ_SHORT, K=8" 50 attention "$SEQ_SHORT" 8 "$OFFSETS"
