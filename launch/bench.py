@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=1, help="time the paths in turn this many times (median of the rounds' medians): fair ratios on a shared machine"
     )
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time the block-sparse paths among --paths in phases (selection, layout, attention, merge; fibjax/bench/phases.py)",
+    )
     p = sub.add_parser("kernels", help="the Pallas kernels against the XLA path on this platform, then their block sizes timed", **defaults)
     p.add_argument("--small", action="store_true", help="two small cases and no sweep: the check itself, in interpret mode on CPU")
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="BlockSizes of the comparison (default: BlockSizes())")
@@ -122,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cpu_devices < 1 or args.kv_heads % args.cpu_devices:
         parser.error(f"--cpu-devices must be >= 1 and divide --kv-heads {args.kv_heads}, got {args.cpu_devices}")
+    if args.phases and args.cpu_devices > 1:
+        parser.error("--phases times one device: drop --cpu-devices")
     try:
         mesh = attn_bench.cpu_head_mesh(args.cpu_devices) if args.cpu_devices > 1 else None
     except RuntimeError as e:
@@ -147,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
         rows.append((case, attn_bench.run(case, paths, args.repeats, progress=progress, rounds=args.rounds, mesh=mesh)))
     print(attn_bench.table(rows))
+    if args.phases:
+        from fibjax.bench import phases
+
+        for case, _ in rows:
+            timed = [p for p in paths if p in phases.PHASE_PATHS]
+            print(f"\nphases, seq {case.seq_len}: {timed or 'no block-sparse path among --paths'}", flush=True)
+            if timed:
+                print(phases.table(case, phases.run(case, timed, args.repeats, rounds=args.rounds)))
     return 0
 
 

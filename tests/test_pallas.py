@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fibjax.attention import attended_distances, interpolated_attention, offset_attention
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
-from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, kernels, offset_attention_pallas
 from fibjax.attention.pallas import backend as pallas_backend
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from tests import oracle
@@ -91,6 +91,20 @@ def _check_static_and_learned(b, t, kv, g, d, window, alpha, base, dtype, block_
 def test_ragged_gqa_matches_xla_and_oracle(dtype):
     """45 tokens in blocks of 16 (a ragged last block), 3 query heads per KV head."""
     _check_static_and_learned(2, 45, 2, 3, 8, 3, 0.87, "fibonacci", dtype, BlockSizes(16, 8), seed=0)
+
+
+def test_a_window_wider_than_a_block_is_a_band_tile_and_slots():
+    """W = 12 over blocks of 8 (forward, dq: band 0..8, slots 9..12) and 16 (dk/dv: all band)."""
+    _check_static_and_learned(1, 40, 2, 2, 8, 12, 1.1, "fibonacci", F32, BlockSizes(8, 16), seed=3)
+
+
+def test_the_band_takes_the_leading_run_of_distances():
+    band = kernels._band
+    assert band((0, 1, 2, 3, 5, 8), 2, "interpret") == (2, (3, 5, 8))
+    assert band((0, 1, 2, 3, 5, 8), 16, "mosaic_tpu") == (3, (5, 8))
+    assert band((1, 2, 5), 16, "interpret") == (None, (1, 2, 5))  # no distance 0: no band
+    assert band((0, 1, 2), 8, "triton") == (None, (0, 1, 2))  # Triton's dot wants sides >= 16
+    assert band((0, 1, 2), 16, "triton") == (2, ())
 
 
 @slow

@@ -188,16 +188,22 @@ def _chosen_blocks(q: Array, k: Array, rank_keys: Array | None, *, block: int, t
     return with_own_block(idx_BKTE, q.shape[1], block)
 
 
-def attend_blocks(q: Array, k: Array, v: Array, idx_BKTS: Array, *, block_size: int, return_lse: bool, pair_tile: int, tile_chunk: int):
-    """Causal softmax attention of each query over its blocks ``idx_BKTS`` (``with_own_block``)."""
-    t, kh = q.shape[1], k.shape[2]
-    t_blocks = idx_BKTS.shape[2]
+def attend_layout(q: Array, k: Array, v: Array, idx_BKTS: Array, *, block_size: int, pair_tile: int, tile_chunk: int):
+    """``attend_blocks``' first stage: q [B,T',K,G,D] pre-scaled, k, v [B,T',K,D] (T' = T in whole
+    blocks) and the tiles of the pairs (``block_grouped.pair_layout``)."""
+    t_blocks, kh = idx_BKTS.shape[2], k.shape[2]
     # padded keys sit after every real query, so the causal mask hides them; padded queries are dropped
     q, k, v = (_pad_to(x, t_blocks) for x in (q, k, v))
-    q_BTKGD = group_queries(q, kh)  # the same rounding as every other path's
     layout = block_grouped.pair_layout(idx_BKTS, t_blocks // block_size, tile=pair_tile, chunk=tile_chunk)
+    return group_queries(q, kh), k, v, layout  # the same rounding as every other path's
+
+
+def attend_blocks(q: Array, k: Array, v: Array, idx_BKTS: Array, *, block_size: int, return_lse: bool, pair_tile: int, tile_chunk: int):
+    """Causal softmax attention of each query over its blocks ``idx_BKTS`` (``with_own_block``):
+    layout, the grouped attention, ``finish`` (the stages ``fibjax.bench.phases`` times)."""
+    q_BTKGD, k, v, layout = attend_layout(q, k, v, idx_BKTS, block_size=block_size, pair_tile=pair_tile, tile_chunk=tile_chunk)
     o_BTKGD, lse_BTKG = block_grouped.grouped_attention(q_BTKGD, k, v, layout, block_size, pair_tile, tile_chunk)
-    return finish(o_BTKGD, lse_BTKG, q[:, :t], return_lse)
+    return finish(o_BTKGD, lse_BTKG, q, return_lse)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_blocks", "return_lse", "query_chunk", "block_rank", "pair_tile", "tile_chunk"))

@@ -12,8 +12,9 @@ CPU: correct but slow, and saying nothing about GPU speed, so they run on CPU on
 in ``--paths``), ``cudnn`` is ``jax.nn.dot_product_attention(implementation="cudnn")``, causal
 and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal
 ``scaled_dot_product_attention`` on the same inputs, timed by torch (the row appears when torch is
-installed: ``pip install torch``); ``dense / torch_sdpa`` is the dense XLA path's distance from it. GB/s is the compulsory HBM traffic (``traffic_bytes``)
-over the time: what a memory-bound kernel should drive towards the device's peak.
+installed: ``pip install torch``); ``dense / torch_sdpa`` is the dense XLA path's distance from it. GB/s and TFLOP/s are the compulsory HBM traffic and
+the useful arithmetic of ``roofline`` over the time, and ``/ ref`` the time over the dense
+reference row's (cuDNN on a GPU, else the XLA dense path).
 ``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
 share of the heads (``_per_head_shard``): XLA:CPU gives each device a thread of its own, which
 uses a machine's cores better than the threads within one device (BUILD_NOTES, "Dense").
@@ -32,7 +33,7 @@ from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.attention.sharded import HEAD_AXIS
-from fibjax.bench import torch_sdpa
+from fibjax.bench import roofline, torch_sdpa
 from fibjax.bench.timing import Measurement, Timer, ratio
 
 
@@ -55,18 +56,18 @@ class Case:
     def alpha(self) -> float:
         return attention.alpha_schedule("staggered", self.num_layers)[self.num_layers // 2]
 
+    @property
+    def distances(self) -> tuple[int, ...]:
+        """The static rows' attended distances: the window and the Fibonacci rungs at ``alpha``."""
+        return attention.attended_distances(window=self.window, base="fibonacci", alpha=self.alpha, seq_len=self.seq_len)
+
 
 def _dense(case: Case) -> Callable:
     return lambda q, k, v, alpha: attention.dense_attention(q, k, v)
 
 
-def _distances(case: Case) -> tuple[int, ...]:
-    return attention.attended_distances(window=case.window, base="fibonacci", alpha=case.alpha, seq_len=case.seq_len)
-
-
 def _static(case: Case) -> Callable:
-    ds = _distances(case)
-    return lambda q, k, v, alpha: attention.offset_attention(q, k, v, distances=ds, implementation="xla")
+    return lambda q, k, v, alpha: attention.offset_attention(q, k, v, distances=case.distances, implementation="xla")
 
 
 def _learned(case: Case) -> Callable:
@@ -74,8 +75,7 @@ def _learned(case: Case) -> Callable:
 
 
 def _static_pallas(case: Case) -> Callable:
-    ds = _distances(case)
-    return lambda q, k, v, alpha: offset_attention_pallas(q, k, v, distances=ds, block_sizes=case.block_sizes)
+    return lambda q, k, v, alpha: offset_attention_pallas(q, k, v, distances=case.distances, block_sizes=case.block_sizes)
 
 
 def _learned_pallas(case: Case) -> Callable:
@@ -88,9 +88,34 @@ def _block_sparse_pallas(case: Case) -> Callable:
 
 
 def _cudnn(case: Case) -> Callable:
-    if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
-        raise Unavailable("cudnn needs a GPU and a 16-bit dtype")
+    _need_gpu_16bit(case, "cudnn")
     return lambda q, k, v, alpha: jax.nn.dot_product_attention(q, k, v, implementation="cudnn", is_causal=True)
+
+
+def _need_gpu_16bit(case: Case, what: str) -> None:
+    if jax.default_backend() != "gpu" or case.dtype not in ("bfloat16", "float16"):
+        raise Unavailable(f"{what} needs a GPU and a 16-bit dtype")
+
+
+def _triton_flash(case: Case) -> Callable:
+    """JAX's own dense causal flash attention on Pallas' Triton backend: what that backend reaches
+    on this GPU for plain tiles (the backend decision, BUILD_NOTES "Backend and pin")."""
+    _need_gpu_16bit(case, "triton_flash")
+    if case.kv_heads != case.heads:
+        raise Unavailable("triton_flash has no grouped KV heads")
+    from jax.experimental.pallas.ops.gpu import attention as triton_attention
+
+    return lambda q, k, v, alpha: triton_attention.mha(q, k, v, None, sm_scale=case.head_dim**-0.5, causal=True)
+
+
+def _mosaic_flash(case: Case) -> Callable:
+    """The same on Mosaic GPU (``attention_mgpu``: warpgroup matrix multiplies, Hopper only; no causal
+    backward yet, so forward only: ``FORWARD_ONLY``)."""
+    _need_gpu_16bit(case, "mosaic_flash")
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+    return lambda q, k, v, alpha: attention_mgpu.attention(q, k, v, config)
 
 
 class Unavailable(Exception):
@@ -144,7 +169,10 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "learned_pallas": _learned_pallas,
     "block_sparse_pallas": _block_sparse_pallas,
     "cudnn": _cudnn,
+    "triton_flash": _triton_flash,
+    "mosaic_flash": _mosaic_flash,
 }
+FORWARD_ONLY = frozenset({"mosaic_flash"})
 # paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
 EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.timers)}
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
@@ -162,7 +190,10 @@ RATIOS: list[tuple[str, str]] = [
     ("static_pallas", "cudnn"),
     ("learned_pallas", "cudnn"),
     ("block_sparse_pallas", "block_sparse"),
+    ("block_sparse", "cudnn"),
     ("block_sparse_pallas", "cudnn"),
+    ("triton_flash", "cudnn"),
+    ("mosaic_flash", "cudnn"),
     ("static_pallas", "dense"),  # on TPU, dense is JAX's Pallas flash attention (fibjax/attention/fused.py)
 ]
 
@@ -216,17 +247,6 @@ def forward_backward(f: Callable) -> Callable:
     return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
-def traffic_bytes(case: Case, mode: str) -> int:
-    """Compulsory HBM bytes: read q, k, v, write out (+ lse); the backward also reads q, k, v,
-    out, d_out, lse and writes dq, dk, dv. Every path must move at least this much."""
-    item = jnp.dtype(case.dtype).itemsize
-    q_out = case.batch * case.seq_len * case.heads * case.head_dim * item
-    kv = case.batch * case.seq_len * case.kv_heads * case.head_dim * item
-    lse = case.batch * case.seq_len * case.heads * 4
-    fwd = 2 * q_out + 2 * kv + lse
-    return fwd if mode == "fwd" else fwd + (4 * q_out + 4 * kv + lse)
-
-
 def run(
     case: Case, paths: list[str], repeats: int, progress: Callable[[str], None] = lambda _: None, rounds: int = 1, mesh: jax.sharding.Mesh | None = None
 ) -> dict[tuple[str, str], Measurement]:
@@ -257,30 +277,50 @@ def run(
         except Unavailable as e:
             progress(f"seq {case.seq_len} {name}: skipped ({e})")
             continue
-        timers[(name, "fwd")] = Timer(f, q, k, v, alpha)
-        timers[(name, "fwd+bwd")] = Timer(forward_backward(f), q, k, v, alpha)
+        programs = {"fwd": f} if name in FORWARD_ONLY else {"fwd": f, "fwd+bwd": forward_backward(f)}
+        for mode, program in programs.items():
+            try:
+                timers[(name, mode)] = Timer(program, q, k, v, alpha)
+            except Exception as e:  # on a device, one path that does not compile must not cost the others' rows
+                progress(f"seq {case.seq_len} {name} {mode}: FAILED {type(e).__name__}: {str(e)[:1000]}")
     rounds_ms, order = {key: [] for key in timers}, list(timers)
     for r in range(rounds if order else 0):  # each round starts one path later, so no path always follows the same one
         for key in order[r % len(order) :] + order[: r % len(order)]:
             rounds_ms[key].append(timers[key].times(repeats))
     for key, timer in timers.items():
         results[key] = timer.measurement(rounds_ms[key])
-    for name in dict.fromkeys(n for n, _ in timers):
-        progress(f"seq {case.seq_len} {name}: fwd {results[(name, 'fwd')].ms:.1f} ms, fwd+bwd {results[(name, 'fwd+bwd')].ms:.1f} ms")
+    for name, mode in timers:
+        progress(f"seq {case.seq_len} {name} {mode}: {results[(name, mode)].ms:.1f} ms")
     return {key: results[key] for key in sorted(results, key=lambda kv: paths.index(kv[0]))}
 
 
+def reference(res: dict) -> str | None:
+    """The dense row every path is divided by: cuDNN where it ran (a GPU), else the XLA dense path."""
+    return next((name for name in ("cudnn", "dense") if (name, "fwd") in res), None)
+
+
 def table(rows: list[tuple[Case, dict]]) -> str:
-    lines = ["| seq | path | fwd ms | fwd+bwd ms | fwd GB/s | fwd+bwd GB/s | fwd peak MB | fwd+bwd peak MB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    """Per path: times, achieved GB/s and TFLOP/s (``roofline``), its time over the reference row's
+    (``reference``) and XLA's peak memory; then the ratios of ``RATIOS``."""
+    modes = ("fwd", "fwd+bwd")
+    head = [f"{m} {col}" for col in ("ms", "GB/s", "TFLOP/s", "/ ref") for m in modes]
+    lines = ["| seq | path | " + " | ".join(head) + " | fwd peak MB | fwd+bwd peak MB |", "|---:|---|" + "---:|" * (len(head) + 2)]
     for case, res in rows:
+        ref = reference(res)
         for name in dict.fromkeys(n for n, _ in res):
-            f, fb = res[(name, "fwd")], res[(name, "fwd+bwd")]
-            gbs = [traffic_bytes(case, m) / (r.ms * 1e6) for m, r in (("fwd", f), ("fwd+bwd", fb))]
-            lines.append(f"| {case.seq_len} | {name} | {f.ms:.3f} | {fb.ms:.3f} | {gbs[0]:.1f} | {gbs[1]:.1f} | {f.peak_mb:.0f} | {fb.peak_mb:.0f} |")
-    lines += ["", "| seq | ratio | fwd | fwd+bwd |", "|---:|---|---:|---:|"]
+            got = {m: res.get((name, m)) for m in modes}
+            ms = [f"{got[m].ms:.3f}" if got[m] else "-" for m in modes]
+            rates = {m: roofline.achieved(case, name, m, got[m].ms) if got[m] else None for m in modes}
+            gbs = [f"{rates[m][0]:.3g}" if rates[m] else "-" for m in modes]
+            tfs = [f"{rates[m][1]:.3g}" if rates[m] else "-" for m in modes]
+            rel = [f"{ratio(got[m], res[(ref, m)]):.3f}" if got[m] and (ref, m) in res else "-" for m in modes]
+            peaks = [f"{got[m].peak_mb:.0f}" if got[m] else "-" for m in modes]
+            lines.append(f"| {case.seq_len} | {name} | " + " | ".join([*ms, *gbs, *tfs, *rel, *peaks]) + " |")
+    refs = sorted({ref for _, res in rows if (ref := reference(res))})
+    lines += ["", f"/ ref: over {' and '.join(refs) or 'nothing (no dense row)'}", "", "| seq | ratio | fwd | fwd+bwd |", "|---:|---|---:|---:|"]
     for case, res in rows:
         for num, den in RATIOS:
-            if (num, "fwd") in res and (den, "fwd") in res:
-                r = [ratio(res[(num, m)], res[(den, m)]) for m in ("fwd", "fwd+bwd")]
-                lines.append(f"| {case.seq_len} | {num} / {den} | {r[0]:.3f} | {r[1]:.3f} |")
+            r = [f"{ratio(res[(num, m)], res[(den, m)]):.3f}" if (num, m) in res and (den, m) in res else "-" for m in modes]
+            if r != ["-", "-"]:
+                lines.append(f"| {case.seq_len} | {num} / {den} | {r[0]} | {r[1]} |")
     return "\n".join(lines)

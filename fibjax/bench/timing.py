@@ -51,10 +51,10 @@ class CallTimer:
 
 class Timer(CallTimer):
     """``fn`` (jitted) compiled once, its peak memory read from XLA's buffer assignment, and timed
-    as a :class:`CallTimer` until its outputs are ready."""
+    as a :class:`CallTimer` until its outputs are ready; ``compiled`` is the program itself."""
 
     def __init__(self, fn: Callable, *args):
-        compiled = jax.jit(fn).lower(*args).compile()
+        self.compiled = compiled = jax.jit(fn).lower(*args).compile()
         mem = compiled.memory_analysis()
         self.peak_mb = (
             (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes) / 2**20 if mem else float("nan")

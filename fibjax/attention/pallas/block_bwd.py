@@ -112,16 +112,8 @@ def dkdv_partials(q, k, v, do, lse, delta, tiles: Tiles, *, block: int, backend:
     )(tiles.blocks, tiles.counts, tiles.rows, q, k, v, do, lse, delta)
 
 
-def dkdv(q, k, v, do, lse, delta, blocks, *, block: int, num_blocks: int, backend: str, block_sizes: be.BlockSizes):
-    """dk, dv [B,K,N J,D] float32 of the first ``num_blocks`` key blocks (``block_kernels.dq``'s
-    arguments; ``block_sizes.block_k`` pairs per program)."""
-    b, kh, _, _, d = q.shape
-    tiles = tiles_of(blocks, num_blocks, block_sizes.block_k)
-    parts = dkdv_partials(q, k, v, do, lse, delta, tiles, block=block, backend=backend, block_sizes=block_sizes)
-    blocks_HX = tiles.blocks.reshape(b * kh, -1)
-
-    def per_block(part_BKXJD):
-        sums = jax.vmap(lambda p, n: jax.ops.segment_sum(p, n, num_segments=num_blocks, indices_are_sorted=True))
-        return sums(part_BKXJD.reshape(b * kh, *part_BKXJD.shape[2:]), blocks_HX).reshape(b, kh, num_blocks * block, d)
-
-    return tuple(per_block(p) for p in parts)
+def per_block(part_BKXJD: jax.Array, tiles: Tiles, num_blocks: int) -> jax.Array:
+    """[B,K,N J,D]: each tile's partial added into its block (the tiles are sorted by block: a segment sum)."""
+    b, kh, _, block, d = part_BKXJD.shape
+    sums = jax.vmap(lambda p, n: jax.ops.segment_sum(p, n, num_segments=num_blocks, indices_are_sorted=True))
+    return sums(part_BKXJD.reshape(b * kh, *part_BKXJD.shape[2:]), tiles.blocks.reshape(b * kh, -1)).reshape(b, kh, num_blocks * block, d)

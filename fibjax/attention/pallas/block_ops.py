@@ -67,28 +67,64 @@ def _attention(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
     return _attention_fwd(spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS)[0]
 
 
-def _attention_fwd(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
-    t, kh, tp = spec.seq_len, k_BTKD.shape[2], spec.padded_len
-    q_BKGTD = _queries_to_kernel(q_BTHD, kh, tp)
+# The forward and the backward are each three stages, layout -> kernels -> merge, named so that
+# ``fibjax.bench.phases`` times the very functions the path runs.
+def fwd_layout(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
+    """The kernels' operands: q [B,K,G,T',D], k, v [B,K,T',D], blocks [B,K,T',S] (-1 past T)."""
+    kh, tp = k_BTKD.shape[2], spec.padded_len
     k_BKTD, v_BKTD = (jnp.swapaxes(_pad_to(x, tp), 1, 2) for x in (k_BTKD, v_BTKD))
     blocks_BKTS = jnp.pad(idx_BKTS, ((0, 0), (0, 0), (0, tp - idx_BKTS.shape[2]), (0, 0)), constant_values=-1)
-    o_BKGTD, lse_BKGT = block_kernels.forward(q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, **spec.kwargs())
-    out_BTHD = _queries_from_kernel(o_BKGTD, t)
-    lse_BTH = _queries_from_kernel(lse_BKGT[..., None], t)[..., 0]
+    return _queries_to_kernel(q_BTHD, kh, tp), k_BKTD, v_BKTD, blocks_BKTS
+
+
+def fwd_kernels(spec: _Spec, q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS):
+    """(out [B,K,G,T',D], lse [B,K,G,T'])."""
+    return block_kernels.forward(q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, **spec.kwargs())
+
+
+def fwd_merge(spec: _Spec, o_BKGTD, lse_BKGT):
+    """(out [B,T,H,D], lse [B,T,H])."""
+    return _queries_from_kernel(o_BKGTD, spec.seq_len), _queries_from_kernel(lse_BKGT[..., None], spec.seq_len)[..., 0]
+
+
+def _attention_fwd(spec: _Spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS):
+    q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS = fwd_layout(spec, q_BTHD, k_BTKD, v_BTKD, idx_BKTS)
+    o_BKGTD, lse_BKGT = fwd_kernels(spec, q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS)
+    out_BTHD, lse_BTH = fwd_merge(spec, o_BKGTD, lse_BKGT)
     return (out_BTHD, lse_BTH), (q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, out_BTHD, lse_BKGT)
 
 
-def _attention_bwd(spec: _Spec, residuals, cotangents):
+def bwd_layout(spec: _Spec, residuals, cotangents):
+    """(the dq kernel's operands, the dk/dv kernel's tiles: the inverse map)."""
     q_BKGTD, k_BKTD, v_BKTD, blocks_BKTS, out_BTHD, lse_BKGT = residuals
     do_BTHD, dlse_BTH = cotangents
-    t, kh, tp = spec.seq_len, k_BKTD.shape[1], spec.padded_len
+    kh, tp = k_BKTD.shape[1], spec.padded_len
     # d lse / d s = p, so an lse cotangent enters exactly like -delta (FlashAttention's D term)
     delta_BTH = jnp.sum(do_BTHD.astype(jnp.float32) * out_BTHD.astype(jnp.float32), axis=-1) - dlse_BTH
     args = (q_BKGTD, k_BKTD, v_BKTD, _queries_to_kernel(do_BTHD, kh, tp), lse_BKGT, _rows_to_kernel(delta_BTH, kh, tp), blocks_BKTS)
-    dq_BKGTD = block_kernels.dq(*args, **spec.kwargs())
-    dk_BKTD, dv_BKTD = block_bwd.dkdv(*args, num_blocks=spec.num_blocks, **spec.kwargs())
-    dk_BTKD, dv_BTKD = (_keys_from_kernel(x, t).astype(k_BKTD.dtype) for x in (dk_BKTD, dv_BKTD))
-    return _queries_from_kernel(dq_BKGTD, t), dk_BTKD, dv_BTKD, None
+    return args, block_bwd.tiles_of(blocks_BKTS, spec.num_blocks, spec.block_sizes.block_k)
+
+
+def bwd_dq(spec: _Spec, args, tiles):
+    """dq [B,K,G,T',D] float32 (the dq kernel)."""
+    return block_kernels.dq(*args, **spec.kwargs())
+
+
+def bwd_dkdv(spec: _Spec, args, tiles):
+    """Each tile's (dk, dv) [B,K,X,J,D] float32 (the dk/dv kernel)."""
+    return block_bwd.dkdv_partials(*args[:-1], tiles, **spec.kwargs())
+
+
+def bwd_merge(spec: _Spec, dq_BKGTD, parts, tiles, kv_dtype):
+    """(dq [B,T,H,D], dk, dv [B,T,K,D] in ``kv_dtype``): the tiles' partials summed per block."""
+    t = spec.seq_len
+    dk_BTKD, dv_BTKD = (_keys_from_kernel(block_bwd.per_block(p, tiles, spec.num_blocks), t).astype(kv_dtype) for p in parts)
+    return _queries_from_kernel(dq_BKGTD, t), dk_BTKD, dv_BTKD
+
+
+def _attention_bwd(spec: _Spec, residuals, cotangents):
+    args, tiles = bwd_layout(spec, residuals, cotangents)
+    return (*bwd_merge(spec, bwd_dq(spec, args, tiles), bwd_dkdv(spec, args, tiles), tiles, residuals[1].dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,12 +1,17 @@
 """The three Pallas kernels of offset attention: forward, dq (+ d frac), dk/dv.
 
 Every attended distance is a contiguous shifted slice of K/V shared by all queries, so the
-kernels never build a mask over [T, T]: a program owns a block of rows and, for each *slot*,
-reads the shifted block and works row-wise (one key per query per slot: a multiply-reduce
-over D, not a matmul). A slot is either a static distance d (a Python int: the window and
-the static rungs) or a learned rung (lo, frac): runtime scalars, so alpha never recompiles.
-A rung's key is (1-frac) K[i-lo] + frac K[max(i-lo-1, 0)], valid iff i >= lo; an inactive
-rung arrives with lo = T, which no query reaches.
+kernels never build a mask over [T, T]. A program owns a block of C rows. The window {0..W}
+is one **band tile**: the C queries against the 2C keys that end with them, one tile product
+(the tensor cores' shape on a GPU) per side, masked to 0 <= i - j <= W, so W + 1 distances
+cost two tile products instead of W + 1 row-wise passes (``_band``: distances 0..min(W, C)).
+Every other distance is a *slot*: the program reads the shifted block and works row-wise
+(one key per query per slot: a multiply-reduce over D). A slot is either a static distance d
+(a Python int: the static rungs) or a learned rung (lo, frac): runtime scalars, so alpha never
+recompiles. A rung's key is (1-frac) K[i-lo] + frac K[max(i-lo-1, 0)], valid iff i >= lo,
+both rows read from the same two adjacent shifted blocks; an inactive rung arrives with lo =
+T, which no query reaches. The backward is two kernels (dq; dk/dv), each walking the band
+tile and then the slots, writing only its own block: no atomics.
 
 Kernel layout (built by ``ops.py``; T here is the padded length, P the pad, a block size):
 q, do   [B, K, G, T+P, D]   queries grouped under their KV head; P zero rows at the end
@@ -60,10 +65,38 @@ def _rows(start, size):
     return start + jax.lax.broadcasted_iota(jnp.int32, (size,), 0)
 
 
+# Triton's dot needs every side >= 16; below that the window stays row-wise slots
+MIN_DOT = 16
+
+
+def _band(distances, rows: int, backend: str):
+    """(W', the other distances): the leading run 0..W' of ``distances`` (W' <= rows, the most a
+    [rows, 2 rows] band tile holds) goes to the band tile; W' is None when there is none."""
+    run = 0
+    while run < len(distances) and distances[run] == run and run <= rows:
+        run += 1
+    if run == 0 or (backend == "triton" and rows < MIN_DOT):
+        return None, tuple(distances)
+    return run - 1, tuple(distances[run:])
+
+
+def _dot(a, b, axes=(1, 0)):
+    """A tile product with float32 accumulation, contracting axis ``axes[0]`` of a with ``axes[1]``
+    of b (``lax.dot_general``: the lowering every backend has; ``pl.dot`` is Triton's alone now)."""
+    return jax.lax.dot_general(a, b, (((axes[0],), (axes[1],)), ((), ())), preferred_element_type=F32)
+
+
+def _band_mask(query_start, queries: int, key_start, keys: int, width: int, seq_len: int):
+    """[queries, keys]: 0 <= i - j <= width, j >= 0 and i < seq_len (the band tile's keys)."""
+    i = query_start + jax.lax.broadcasted_iota(jnp.int32, (queries, keys), 0)
+    j = key_start + jax.lax.broadcasted_iota(jnp.int32, (queries, keys), 1)
+    return (i - j >= 0) & (i - j <= width) & (j >= 0) & (i < seq_len)
+
+
 # --- forward: a block of queries, an online softmax over the slots -------------------------
 
 
-def _forward_kernel(*refs, distances, num_rungs, pad, seq_len, scale):
+def _forward_kernel(*refs, distances, num_rungs, pad, seq_len, scale, band):
     (lo_ref, frac_ref), (q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(refs, num_rungs)
     group, block, _ = q_ref.shape
     s0 = pl.program_id(2) * block
@@ -72,6 +105,15 @@ def _forward_kernel(*refs, distances, num_rungs, pad, seq_len, scale):
     max_C = [jnp.full((block,), -jnp.inf, F32)] * group
     sum_C = [jnp.zeros((block,), F32)] * group
     acc_CD = [jnp.zeros(q_CD[0].shape, F32)] * group
+    if band is not None:  # the window: keys s0 - C .. s0 + C - 1, in bounds thanks to the pad
+        k_LD, v_LD = k_ref[pl.ds(pad + s0 - block, 2 * block), :], v_ref[pl.ds(pad + s0 - block, 2 * block), :]
+        band_CL = _band_mask(s0, block, s0 - block, 2 * block, band, seq_len)
+        for g in range(group):
+            s_CL = jnp.where(band_CL, _dot(q_ref[g], k_LD, (1, 1)) * scale, -jnp.inf)
+            max_C[g] = jnp.max(s_CL, axis=1)
+            p_CL = jnp.exp(s_CL - jnp.where(max_C[g] == -jnp.inf, 0.0, max_C[g])[:, None])
+            sum_C[g] = jnp.sum(p_CL, axis=1)
+            acc_CD[g] = _dot(p_CL.astype(v_LD.dtype), v_LD)
     for shift, frac in _slots(distances, num_rungs, lo_ref, frac_ref):
         k_CD = _interp(*_load(k_ref, pad + s0 - shift, block, rows, shift, frac), frac)
         v_CD = _interp(*_load(v_ref, pad + s0 - shift, block, rows, shift, frac), frac)
@@ -94,7 +136,7 @@ def _forward_kernel(*refs, distances, num_rungs, pad, seq_len, scale):
 # --- dq: the same walk, with p recomputed from the saved lse --------------------------------
 
 
-def _dq_kernel(*refs, distances, num_rungs, pad, seq_len, scale, rung_lanes):
+def _dq_kernel(*refs, distances, num_rungs, pad, seq_len, scale, rung_lanes, band):
     (lo_ref, frac_ref), (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *dfrac_ref) = _split_refs(refs, num_rungs)
     group, block, _ = q_ref.shape
     s0 = pl.program_id(2) * block
@@ -103,6 +145,13 @@ def _dq_kernel(*refs, distances, num_rungs, pad, seq_len, scale, rung_lanes):
     do_CD = [do_ref[g].astype(F32) for g in range(group)]
     lse_C, delta_C = [lse_ref[g] for g in range(group)], [delta_ref[g] for g in range(group)]
     dq_CD = [jnp.zeros(q_CD[0].shape, F32)] * group
+    if band is not None:  # the forward's band tile; ds = p (do.v - delta), dq = ds k
+        k_LD, v_LD = k_ref[pl.ds(pad + s0 - block, 2 * block), :], v_ref[pl.ds(pad + s0 - block, 2 * block), :]
+        band_CL = _band_mask(s0, block, s0 - block, 2 * block, band, seq_len)
+        for g in range(group):
+            p_CL = jnp.where(band_CL, jnp.exp(_dot(q_ref[g], k_LD, (1, 1)) * scale - lse_C[g][:, None]), 0.0)
+            ds_CL = p_CL * (_dot(do_ref[g], v_LD, (1, 1)) - delta_C[g][:, None])
+            dq_CD[g] = _dot(ds_CL.astype(k_LD.dtype), k_LD)
     dfrac_1R = jnp.zeros((1, rung_lanes), F32)  # R padded to a power of two (Triton stores)
     lane_1R = jax.lax.broadcasted_iota(jnp.int32, (1, rung_lanes), 1)
     for slot, (shift, frac) in enumerate(_slots(distances, num_rungs, lo_ref, frac_ref)):
@@ -128,13 +177,24 @@ def _dq_kernel(*refs, distances, num_rungs, pad, seq_len, scale, rung_lanes):
 # --- dk/dv: a block of keys, walking the same slots the other way ---------------------------
 
 
-def _dkdv_kernel(*refs, distances, num_rungs, pad, seq_len, scale):
+def _dkdv_kernel(*refs, distances, num_rungs, pad, seq_len, scale, band):
     (lo_ref, frac_ref), (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _split_refs(refs, num_rungs)
     block = dk_ref.shape[0]
     group, t_rows = q_ref.shape[:2]
     j0 = pl.program_id(2) * block
     dk_CD = jnp.zeros(dk_ref.shape, F32)
     dv_CD = jnp.zeros(dv_ref.shape, F32)
+    if band is not None:  # keys j0 .. j0 + C - 1 against the 2C queries that can see them by the window
+        k_CD, v_CD = k_ref[pl.ds(pad + j0, block), :], v_ref[pl.ds(pad + j0, block), :]
+        band_LC = _band_mask(j0, 2 * block, j0, block, band, seq_len)
+        for g in range(group):
+            q_LD, do_LD = q_ref[g, pl.ds(j0, 2 * block), :], do_ref[g, pl.ds(j0, 2 * block), :]
+            lse_L, delta_L = lse_ref[g, pl.ds(j0, 2 * block)], delta_ref[g, pl.ds(j0, 2 * block)]
+            # rows past the sequence hold lse = -inf: select, never multiply
+            p_LC = jnp.where(band_LC, jnp.exp(_dot(q_LD, k_CD, (1, 1)) * scale - lse_L[:, None]), 0.0)
+            ds_LC = p_LC * (_dot(do_LD, v_CD, (1, 1)) - delta_L[:, None])
+            dv_CD = dv_CD + _dot(p_LC.astype(do_LD.dtype), do_LD, (0, 0))
+            dk_CD = dk_CD + _dot(ds_LC.astype(q_LD.dtype), q_LD, (0, 0)) * scale
 
     def fold(query_start, key_start, shift, frac, weight):
         """Queries i = j + (query_start - j0) against their slot key, whose near row is at key_start."""
@@ -161,7 +221,7 @@ def _dkdv_kernel(*refs, distances, num_rungs, pad, seq_len, scale):
         # key clamps onto it) and the far key of query j + lo + 1 (weight frac)
         fold(j0 + shift, pad + j0, shift, frac, lambda rows, lo=shift, f=frac: jnp.where(rows == lo, 1.0, 1.0 - f))
         fold(j0 + shift + 1, pad + j0 + 1, shift, frac, lambda rows, f=frac: jnp.full(rows.shape, f))
-    dk_ref[...] = dk_CD.astype(dk_ref.dtype)  # q was scaled when loaded
+    dk_ref[...] = dk_CD.astype(dk_ref.dtype)  # the slots' q was scaled when loaded, the band's after its dot
     dv_ref[...] = dv_CD.astype(dv_ref.dtype)
 
 
@@ -186,8 +246,10 @@ def _call(kernel, rungs, operands, *, out_specs, out_shape, grid, block_sizes, b
     return be.call(kernel, backend=backend, block_sizes=block_sizes, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, name=name)(*args)
 
 
-def _kernel_params(rungs, distances, pad, seq_len, d):
-    return dict(distances=distances, num_rungs=0 if rungs is None else rungs[0].shape[0], pad=pad, seq_len=seq_len, scale=d**-0.5)
+def _kernel_params(rungs, distances, pad, seq_len, d, rows, backend):
+    """The kernels' static arguments for programs of ``rows`` rows: the band tile and the slots."""
+    band, slots = _band(distances, rows, backend)
+    return dict(distances=slots, band=band, num_rungs=0 if rungs is None else rungs[0].shape[0], pad=pad, seq_len=seq_len, scale=d**-0.5)
 
 
 def forward(q, k, v, rungs, *, distances, seq_len, pad, block_sizes, backend):
@@ -196,7 +258,7 @@ def forward(q, k, v, rungs, *, distances, seq_len, pad, block_sizes, backend):
     b, kh, g, t_rows, d = q.shape
     bq, t = block_sizes.block_q, t_rows - pad
     return _call(
-        functools.partial(_forward_kernel, **_kernel_params(rungs, distances, pad, seq_len, d)),
+        functools.partial(_forward_kernel, **_kernel_params(rungs, distances, pad, seq_len, d, bq, backend)),
         rungs,
         [(_rows_of(g, bq, d), q), (_whole(k.shape[2], d), k), (_whole(k.shape[2], d), v)],
         out_specs=[_rows_of(g, bq, d), _rows_of(g, bq)],
@@ -213,7 +275,7 @@ def backward(q, k, v, do, lse, delta, rungs, *, distances, seq_len, pad, block_s
     rowsum(do * o) - dlse). Returns dq [B,K,G,T,D], dk, dv [B,K,T,D], dfrac [R] float32 or None."""
     b, kh, g, t_rows, d = q.shape
     bq, bk, t = block_sizes.block_q, block_sizes.block_k, t_rows - pad
-    params = _kernel_params(rungs, distances, pad, seq_len, d)
+    params = _kernel_params(rungs, distances, pad, seq_len, d, bq, backend)
     lanes = 1 << max(params["num_rungs"] - 1, 0).bit_length()  # Triton stores power-of-two shapes
     whole_kv = _whole(k.shape[2], d)
     out_specs = [_rows_of(g, bq, d)]
@@ -233,7 +295,7 @@ def backward(q, k, v, do, lse, delta, rungs, *, distances, seq_len, pad, block_s
         name="offset_attention_dq",
     )
     dk, dv = _call(
-        functools.partial(_dkdv_kernel, **params),
+        functools.partial(_dkdv_kernel, **_kernel_params(rungs, distances, pad, seq_len, d, bk, backend)),
         rungs,
         [(_whole(g, t_rows, d), q), (whole_kv, k), (whole_kv, v), (_whole(g, t_rows, d), do), (_whole(g, t_rows), lse), (_whole(g, t_rows), delta)],
         out_specs=[_rows_of(bk, d, axis=0)] * 2,
