@@ -145,13 +145,16 @@ class Checkpointer:
             steps = numbered_steps(self.directory)
             kept = set(steps[-max(self.keep - 1, 1) :]) | set(self.all_steps()[-1:])
             old = [s for s in steps if s not in kept]
-            if not old or shutil.disk_usage(self.directory).free >= ROOM_MARGIN * _bytes(self.directory / str(steps[-1])):
+            if not old:
+                return []
+            free, size = shutil.disk_usage(self.directory).free, _bytes(self.directory / str(steps[-1]))
+            if free >= ROOM_MARGIN * size:  # the free space before deleting is the one the message reports
                 return []
             for s in old:
                 shutil.rmtree(self.directory / str(s))
             print(
-                f"warning: {free_space(self.directory)} free in {self.directory}, less than a checkpoint takes: deleted "
-                f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep})",
+                f"warning: {human_bytes(free)} free in {self.directory}, less than a checkpoint takes ({human_bytes(size)}): deleted "
+                f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep}); {free_space(self.directory)} free now",
                 file=sys.stderr,
             )
             return old
@@ -201,7 +204,7 @@ class Checkpointer:
 
         Raises DamagedCheckpoint when its files changed since the save, cannot be read, or
         hold non-finite numbers; nothing is deleted."""
-        self._check_files(step)
+        self.check_files(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = rename_keys(abstract_state, {new: old for old, new in renames.items()})  # asked for by the saved names
         items = {"state": ocp.args.StandardRestore(target)}
@@ -217,7 +220,7 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params):
         """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
         a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
-        self._check_files(step)
+        self.check_files(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = {"params": rename_keys(abstract_params, {new: old for old, new in renames.items()})}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
@@ -230,7 +233,8 @@ class Checkpointer:
         self._check_finite(step, restored["state"]["params"])
         return rename_keys(restored["state"]["params"], renames)
 
-    def _check_files(self, step: int) -> None:
+    def check_files(self, step: int) -> None:
+        """Raise DamagedCheckpoint unless ``step`` is finished and its files match their checksums."""
         if step in self.unverified_steps():
             raise self._damaged(step, checksum_problem(self.directory / str(step)))
         if step not in self.all_steps():
@@ -244,11 +248,14 @@ class Checkpointer:
         if bad:
             raise self._damaged(step, f"{len(bad)} array(s) hold NaN or infinite values, e.g. {bad[0]}")
 
-    def _unreadable(self, step: int, e: Exception) -> DamagedCheckpoint:
-        return self._damaged(
-            step,
-            f"it could not be read ({failures.error_reason(e)}); either its files are damaged or it holds another "
-            f"model than {self.directory.parent / CONFIG_FILE} describes",
+    def _unreadable(self, step: int, e: Exception) -> CheckpointError:
+        # its files matched their checksums just before (check_files): they are the ones saved,
+        # so what differs is the model asked for, i.e. the run's config
+        config = self.directory.parent / CONFIG_FILE
+        return CheckpointError(
+            f"checkpoint step {step} in {self.directory} is intact (its files match their checksums) but does not fit the model "
+            f"{config} describes ({failures.error_reason(e)}): was {config} edited since the run saved it? Nothing was deleted; "
+            "put back the config the run was trained with, then resume with the command that trained it"
         )
 
     def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
