@@ -177,11 +177,15 @@ def file_stamp(path: Path) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def verify_checksums(data_dir: str | os.PathLike, meta: dict, verified: dict | None = None) -> dict:
+# what to do about a damaged token file (launch.prepare_data, which prepares it, says it its own way)
+PREPARE_AGAIN = "prepare it again: the command that prepared it, with --overwrite"
+
+
+def verify_checksums(data_dir: str | os.PathLike, meta: dict, verified: dict | None = None, *, remedy: str | None = PREPARE_AGAIN) -> dict:
     """Every token file's sha256 against the one meta.json records for it. ``verified``: a
     run's record of files already verified ({file: {sha256, size, mtime_ns}}, see
-    ``file_stamp``); a file still matching its entry is not hashed again (sha256 runs at about
-    1 GB/s: a few seconds per GB). Returns the record of every file, with ``sha256`` None for
+    ``file_stamp``); a file still matching its entry is not hashed again (measured on 2 busy
+    cores: 126 MiB/s, 0.23 s for the CPU study's 15 M tokens, ~8 s per GB). Returns the record of every file, with ``sha256`` None for
     data prepared before meta.json carried checksums. Raises DataError naming the first file
     whose bytes changed."""
     data_dir, verified = Path(data_dir), verified or {}
@@ -200,7 +204,7 @@ def verify_checksums(data_dir: str | os.PathLike, meta: dict, verified: dict | N
             if file_sha256(path) != expected:
                 raise DataError(
                     f"token file {path} is damaged: its sha256 differs from the one meta.json recorded when it was prepared "
-                    "(bytes changed on disk); prepare it again: the command that prepared it, with --overwrite"
+                    f"(bytes changed on disk){f'; {remedy}' if remedy else ''}"
                 )
             _VERIFIED[key] = expected
     return record
