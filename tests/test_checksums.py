@@ -84,7 +84,9 @@ def test_data_prepared_before_checksums_works_with_one_warning_and_preparing_aga
     assert verify_checksums(fresh_data, load_meta(fresh_data))[TRAIN_FILE]["sha256"] == file_sha256(fresh_data / TRAIN_FILE)
 
 
-def test_preparing_damaged_data_again_says_to_overwrite(fresh_data):
+def test_preparing_damaged_data_again_refuses_it_saying_how_to_prepare_it_again(fresh_data):
+    """The same command on damaged data is no longer "nothing to do"; the embedded corpus's
+    remedy is its own (launch.prepare_data's is --overwrite)."""
     overwrite_in_range(fresh_data / TRAIN_FILE)
-    with pytest.raises(DataError, match="is damaged.*--overwrite"):
+    with pytest.raises(DataError, match=r"train.bin is damaged: .*\(bytes changed on disk\); delete .* and run the same command again"):
         prepare_default(fresh_data, vocab_size=TINY_VOCAB)
