@@ -1,7 +1,9 @@
 """Commands check what they will need before they work (a writable output, an intact step, a
 directory for a workdir), and their messages say what is true and a remedy that works."""
 
+import errno
 import json
+import os
 import shutil
 import subprocess
 
@@ -9,7 +11,7 @@ import pytest
 
 from fibjax.eval import runner
 from fibjax.run import load as run_load
-from fibjax.run.checkpoints import Checkpointer
+from fibjax.run.checkpoints import HELD_DIR, Checkpointer
 from fibjax.run.integrity import finished_steps
 from fibjax.run.workdir import CheckpointError
 from tests.helpers import TINY, assert_one_error, flip_bytes, train_main
@@ -105,26 +107,41 @@ def test_evaluations_of_other_data_under_one_name_write_other_files(run_copy, da
 
 
 @pytest.fixture
-def step_4_deleted_while_read(monkeypatch):
-    """Step 4 deleted (as checkpoint.keep of a run training beside it does) as it is read."""
+def step_4_deleted_while_read(run_copy, monkeypatch):
+    """Step 4 of the run deleted (as checkpoint.keep of a run training beside it does) as it is read."""
     restore = Checkpointer.restore_params
 
     def deleted_while_read(self, step, abstract):
-        if step == 4:
-            shutil.rmtree(self.directory / "4")
+        if step == 4 and (run_copy / "checkpoints" / "4").exists():
+            shutil.rmtree(run_copy / "checkpoints" / "4")
         return restore(self, step, abstract)
 
     monkeypatch.setattr(Checkpointer, "restore_params", deleted_while_read)
 
 
-def test_an_evaluation_whose_step_is_deleted_while_read_reads_the_latest_saying_so(run_copy, step_4_deleted_while_read, capsys):
-    """Before, such an evaluation failed, once calling the intact step "damaged"."""
+def test_an_evaluation_holds_the_step_it_reads_against_deletion(run_copy, step_4_deleted_while_read):
+    """Before, 6 of 6 evaluations beside a run with checkpoint.keep=1 checkpoint.every_steps=1
+    failed, some calling the intact step "damaged"."""
     run = run_load.load_run(run_copy)
-    assert run.step == 2 and finished_steps(run_copy) == [2]
+    assert run.step == 4 and finished_steps(run_copy) == [2]
+    assert not (run_copy / HELD_DIR).exists()  # the links are gone with the evaluation
+
+
+@pytest.fixture
+def no_hard_links(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", refuse)
+
+
+def test_where_it_cannot_be_held_a_deleted_step_is_replaced_by_the_latest_saying_so(run_copy, no_hard_links, step_4_deleted_while_read, capsys):
+    run = run_load.load_run(run_copy)
+    assert run.step == 2
     assert "checkpoint step 4 was deleted while it was read (checkpoint.keep=2); reading step 2, now the latest" in capsys.readouterr().err
 
 
-def test_an_evaluation_of_a_given_step_deleted_while_read_says_so(run_copy, step_4_deleted_while_read):
+def test_where_it_cannot_be_held_a_given_step_deleted_while_read_is_an_error(run_copy, no_hard_links, step_4_deleted_while_read):
     with pytest.raises(CheckpointError, match=r"step 4 in .* was deleted while it was read .* its steps now: \[2\]: evaluate one of them with --step"):
         run_load.load_run(run_copy, 4)
 

@@ -12,9 +12,12 @@ restored arrays must be finite. A failed asynchronous save is reported by the ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grain
@@ -32,6 +35,8 @@ from fibjax.run.workdir import CONFIG_FILE, CheckpointError
 ROOM_MARGIN = 1.25
 # where --resume-step moves the steps after the one it resumes from (kept, not deleted)
 SET_ASIDE_DIR = "checkpoints.set_aside"
+# where a reader holds the step it reads (hard links, one directory per process; removed after)
+HELD_DIR = "checkpoints.held"
 
 # Keys renamed since a checkpoint may have been saved: saved name -> present name, wherever the
 # key occurs in the state tree (the parameters and the optimizer's per-parameter moments alike).
@@ -92,7 +97,7 @@ class Checkpointer:
     def __init__(self, workdir: Path, cfg: CheckpointConfig):
         self.directory = Path(workdir).resolve() / CHECKPOINTS_DIR
         self.set_aside_directory = self.directory.parent / SET_ASIDE_DIR
-        self.keep = cfg.keep
+        self.keep, self._cfg = cfg.keep, cfg
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True, temporary_path_class=_VerifiedRename
         )
@@ -261,6 +266,34 @@ class Checkpointer:
     def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
         others = [s for s in self.all_steps() if s != step]
         return DamagedCheckpoint(f"checkpoint step {step} in {self.directory} is damaged: {why}. Nothing was deleted; other steps: {others}.", step)
+
+    @contextlib.contextmanager
+    def held(self, step: int) -> Iterator[Checkpointer]:
+        """A Checkpointer that reads ``step`` from hard links to its files, so that a run training in
+        the same workdir cannot take the step away while it is read (``checkpoint.keep`` deletes
+        names; the bytes stay until their last link goes). Where links cannot be made (another
+        filesystem, a read-only workdir, the step being deleted already) it is this one. Its
+        errors name the step where it is, not the links."""
+        root = self.directory.parent / HELD_DIR / f"{socket.gethostname()}-{os.getpid()}"
+        try:
+            shutil.copytree(self.directory / str(step), root / CHECKPOINTS_DIR / str(step), copy_function=os.link)
+            holder = Checkpointer(root, self._cfg)
+        except (OSError, shutil.Error):
+            shutil.rmtree(root, ignore_errors=True)
+            yield self
+            return
+        shown = lambda e: str(e).replace(str(root / CHECKPOINTS_DIR), str(self.directory)).replace(str(root), str(self.directory.parent))  # noqa: E731
+        try:
+            yield holder
+        except DamagedCheckpoint as e:
+            raise DamagedCheckpoint(shown(e), e.step) from None
+        except CheckpointError as e:
+            raise CheckpointError(shown(e)) from None
+        finally:
+            holder.close()
+            shutil.rmtree(root, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                root.parent.rmdir()  # unless another reader holds a step too
 
     def latest_intact_step(self, before: int) -> int | None:
         """The latest finished step before ``before`` whose files match their checksums (None if none)."""

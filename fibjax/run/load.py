@@ -63,9 +63,10 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
 
 
 def _restore_held(ckpt: Checkpointer, cfg: TrainConfig, step_number: int | None) -> tuple[int, dict]:
-    """(step, parameters) of ``step_number``, default the latest. A run training beside the
-    evaluation may delete that step (checkpoint.keep) while it is read: the step's directory is
-    then gone, and the latest step, unless one was asked for, is read again, saying so."""
+    """(step, parameters) of ``step_number``, default the latest, held against deletion by a run
+    training beside the evaluation (``Checkpointer.held``). Where it cannot be held, or was
+    being deleted already, and its directory is gone, the latest step is read instead (unless
+    one was asked for), saying so."""
     chosen = step_number
     for _ in range(DELETED_RETRIES):
         steps = ckpt.all_steps()
@@ -75,7 +76,8 @@ def _restore_held(ckpt: Checkpointer, cfg: TrainConfig, step_number: int | None)
         try:
             # on this process's first device: a pod's processes each restore a copy, and the
             # evaluation replicates it over the mesh (eval_mesh)
-            return chosen, ckpt.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
+            with ckpt.held(chosen) as source:
+                return chosen, source.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
         except CheckpointError as e:
             if not _deleted(ckpt, chosen):
                 earlier = ckpt.latest_intact_step(before=e.step) if isinstance(e, DamagedCheckpoint) else None
