@@ -19,7 +19,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ from fibjax.train import init_from
 from fibjax.train.metrics import MetricsWriter, fit_summary, read_metrics
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
+from fibjax.train.stopping import Preemption, unless_stopped
 
 # Test-only fault injection: SIGKILL this process right after the checkpoint of this step is
 # on disk, to test exact resume after a crash deterministically.
@@ -160,34 +160,6 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
     return start, mesh, source
 
 
-class _Preemption:
-    """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-    def agreed(self) -> bool:
-        """True on every process if any process was asked to stop (all must save together)."""
-        if jax.process_count() == 1:
-            return self.requested
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
-
-
 def validation_batches(cfg: TrainConfig, data_dir: Path, batch_shards: int) -> dict[str, np.ndarray]:
     """Per validation-curve key (``curve_key``), this process's rows of fixed batches
     [N, rows, m*T+1]: the source's first ``eval.curve_tokens`` tokens (``curve_long_tokens``
@@ -210,30 +182,6 @@ def validation_batches(cfg: TrainConfig, data_dir: Path, batch_shards: int) -> d
                 per_process = rows // jax.process_count()
                 out[curve_key(m, name)] = batches[:, jax.process_index() * per_process : (jax.process_index() + 1) * per_process]
     return out
-
-
-def _unless_stopped(work, preemption: _Preemption, mesh):
-    """``work()`` (the first step, which compiles) in a thread, or None as soon as a signal asks
-    the run to stop: compiling takes up to minutes on a busy machine, and Python runs a signal's
-    handler only once the call in the main thread returns. The thread is left to the exit."""
-    box = {}
-
-    def run():
-        try:
-            with jax.set_mesh(mesh):  # the mesh context is per thread
-                box["value"] = work()
-        except BaseException as e:
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="fibjax-first-step", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        if preemption.requested:
-            return None
-        thread.join(0.1)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 def _batch_log():
@@ -321,13 +269,13 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     lock = WorkdirLock(workdir)
     distributed.on_main(lock.acquire, f"locking the workdir {workdir}")
     try:
-        with _Preemption() as preemption:  # from the start: a signal while restoring or compiling stops the run too
+        with Preemption() as preemption:  # from the start: a signal while restoring or compiling stops the run too
             return _train(cfg, workdir, progress, resume_step, preemption)
     finally:
         lock.release()  # a no-op on the processes that do not hold it
 
 
-def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | None, preemption: _Preemption) -> RunResult:
+def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | None, preemption: Preemption) -> RunResult:
     start, mesh, source = preflight(cfg, workdir, resume_step)
     if mesh is None:
         return RunResult(final_step=start, preempted=False, data_dir=data_dir_of(cfg, workdir), already_done=True)
@@ -430,7 +378,7 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
                 batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
                 if bar is None:
                     say(f"compiling the training step (step {step + 1} runs once it is compiled) ...")
-                    first = _unless_stopped(lambda: jax.block_until_ready(trainer.step(state, batch)), preemption, mesh)
+                    first = unless_stopped(lambda: jax.block_until_ready(trainer.step(state, batch)), preemption, mesh)
                     if first is None:
                         result.preempted = result.left_compiling = True
                         since = f"checkpoint step {start}, which is untouched" if start else "the start: there is no checkpoint yet"
