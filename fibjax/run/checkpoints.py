@@ -272,9 +272,13 @@ class Checkpointer:
         """A Checkpointer that reads ``step`` from hard links to its files, so that a run training in
         the same workdir cannot take the step away while it is read (``checkpoint.keep`` deletes
         names; the bytes stay until their last link goes). Where links cannot be made (another
-        filesystem, a read-only workdir, the step being deleted already) it is this one. Its
-        errors name the step where it is, not the links."""
+        filesystem, a read-only workdir, the step being deleted already) it is this one, and in
+        a multi-process job too (a CheckpointManager there synchronises its processes over one
+        directory, not one each). Its errors name the step where it is, not the links."""
         root = self.directory.parent / HELD_DIR / f"{socket.gethostname()}-{os.getpid()}"
+        if jax.process_count() > 1:
+            yield self
+            return
         try:
             shutil.copytree(self.directory / str(step), root / CHECKPOINTS_DIR / str(step), copy_function=os.link)
             holder = Checkpointer(root, self._cfg)
