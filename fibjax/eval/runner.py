@@ -277,9 +277,10 @@ def data_part(name: str, spec: str) -> str:
 
 
 def check_writable(directory: Path) -> None:
-    """The report can be written to ``directory`` (or, before the first report, the directory
-    it goes in): checked before the evaluation, not after it, by a file made and removed there."""
-    where = directory if directory.is_dir() else directory.parent
+    """An evaluation's output can be written to ``directory`` (or, before it exists, the nearest
+    directory above it): checked before the evaluation, not after it, by a file made and removed
+    there."""
+    where = next(p for p in [directory, *directory.absolute().parents] if p.is_dir())
     try:
         with tempfile.TemporaryFile(dir=where, prefix=".write-check-"):
             pass
