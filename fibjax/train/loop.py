@@ -85,10 +85,10 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> tuple[str, di
     try:
         meta = data_lib.load_meta(data_dir)
         vocab = meta["tokenizer"]["vocab_size"]
-        verified = verify_data(workdir, data_dir, meta)
         for source in meta["sources"].values():
             for split in source.values():
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
+        verified = verify_data(workdir, data_dir, meta)  # after the ids: an id out of range is the more telling error
     except DataError as e:
         if cfg.data.path and cfg.data.prepare and not (data_dir / META_FILE).exists():
             raise DataError(
