@@ -20,6 +20,7 @@ import sys
 
 from launch import processes
 from launch._args import Parser, comma_list
+from launch._streams import survive_closed_pipes
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
 
@@ -115,4 +116,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    survive_closed_pipes()
     sys.exit(main())

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launch import processes
 from launch._args import Parser, comma_list
+from launch._streams import survive_closed_pipes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         distributed.initialize()
         run = run_load.load_run(args.workdir, args.step)
+        tag = "-".join(a.replace("=", "_") for a in args.attention)
+        out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
+        distributed.on_main(lambda: runner.check_writable(out), "checking where the outputs go")
         tokenizer = run_load.run_tokenizer(run)
         if args.attention:
             params, model_cfg = run_load.with_attention(run, apply_overrides(run.cfg.model.attention, args.attention))
@@ -55,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tag = "-".join(a.replace("=", "_") for a in args.attention)
     how = f"{model_cfg.attention.kind} attention" + (f", {' '.join(args.attention)}" if args.attention else "")
     result.update(
         run=run.cfg.name,
@@ -64,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         attention_override=args.attention,
         title=f"Passkey retrieval: {run.cfg.name} step {run.step}, trained at {run.cfg.seq_len} ({how})",
     )
-    out = Path(args.out) if args.out else Path(args.workdir) / "eval" / f"passkey-{run.step}{'-' + tag if tag else ''}"
     paths = distributed.on_main(lambda: passkey.write_passkey_outputs(result, out), "writing the passkey outputs")
     if distributed.is_main():  # one table per job, not per process
         print(passkey.format_markdown(result))
@@ -73,4 +75,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    survive_closed_pipes()
     sys.exit(main())

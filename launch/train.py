@@ -18,11 +18,13 @@ the last step with a checkpoint saved (run the same command to resume).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from launch import processes
 from launch._args import Parser, parse_with_overrides
+from launch._streams import survive_closed_pipes
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
 # array or scheduler requeues it (0 would read as finished)
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from fibjax.data.token_files import free_space
+    from fibjax.run.integrity import finished_steps
     from fibjax.train.loop import train
 
     try:
@@ -74,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a full or read-only disk under the metrics, the events or the config
         free = f" ({free_space(e.filename)} free there)" if e.filename else ""
-        print(
-            f"error: could not write {e.filename or 'the run directory'}: {e.strerror or e}{free}; "
-            "the checkpoints already saved are untouched: fix that and run the same command to resume",
-            file=sys.stderr,
-        )
+        saved = finished_steps(workdir)
+        kept = f"checkpoint step(s) {saved} are untouched" if saved else "nothing was trained"
+        print(f"error: could not write {e.filename or workdir}: {e.strerror or e}{free}; {kept}: fix that and run the same command", file=sys.stderr)
         return 2
+    if result.left_compiling:  # the compiler thread cannot be stopped, and Python's exit would wait for it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STOPPED)
     eval_file = workdir / "eval" / f"{result.final_step}.json"
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)  # one line per job, not per process
     if result.already_done and (eval_file.exists() or not cfg.eval.at_end):
@@ -112,4 +117,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    survive_closed_pipes()
     sys.exit(main())

@@ -95,6 +95,16 @@ def assert_one_error(rc: int, out: str, *fragments: str) -> str:
     return errors[0]
 
 
+def flip_bytes(step_dir):
+    """Change bytes in the middle of the largest file of a step, keeping its size (what Orbax
+    does not notice: the zstd frames carry no checksum)."""
+    target = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 400, 4):
+        data[i - 1 : i + 1] = b"\xc0\x7f"
+    target.write_bytes(bytes(data))
+
+
 # Fake evaluated runs: the per-bin NLLs every length row gets unless a test gives its own.
 STAGGER_BINS = [3.9, 3.8, 3.75, 3.72, 3.7, 3.69, 3.68, 3.67]
 ATTN = {

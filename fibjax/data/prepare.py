@@ -32,7 +32,18 @@ from tqdm.auto import tqdm
 
 from fibjax.data.sentencepiece_tokenizer import train_tokenizer
 from fibjax.data.sources import EMBEDDED_SPEC, DataError, check_hub_reachable, check_name, describe_inputs, is_held_out, is_hf, read_documents
-from fibjax.data.token_files import FORMAT_VERSION, META_FILE, free_space, load_meta, read_meta_file, split_file, token_dtype, write_json_atomically
+from fibjax.data.token_files import (
+    FORMAT_VERSION,
+    META_FILE,
+    file_sha256,
+    free_space,
+    load_meta,
+    read_meta_file,
+    split_file,
+    token_dtype,
+    verify_checksums,
+    write_json_atomically,
+)
 from fibjax.data.tokenizer import HF_FILE, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, Tokenizer, load_tokenizer
 
 DEFAULT_VOCAB_SIZE = 32768
@@ -127,7 +138,7 @@ def prepare(
     if existing is not None:
         if existing.get("fingerprint") == fingerprint:
             try:
-                return load_meta(out_dir)
+                return _with_checksums(out_dir, load_meta(out_dir))
             except DataError as e:
                 if not overwrite:
                     raise DataError(f"{e}; {redo or 'pass --overwrite'} to prepare it again") from None
@@ -174,6 +185,23 @@ def prepare(
         "versions": {"python": sys.version.split()[0], "sentencepiece": sentencepiece.__version__, "tokenizers": tokenizers.__version__},
     }
     write_json_atomically(out_dir / META_FILE, meta)
+    return meta
+
+
+def _with_checksums(out_dir: Path, meta: dict) -> dict:
+    """Prepared data whose files still match their checksums; data prepared before meta.json
+    carried checksums gets them, from the files as they are now (their sizes were just checked):
+    from then on a change is detected."""
+    verify_checksums(out_dir, meta, remedy=None)  # prepare() says what to do
+    missing = [split for source in meta["sources"].values() for split in source.values() if "sha256" not in split]
+    if missing:
+        for split in missing:
+            split["sha256"] = file_sha256(out_dir / split["file"])
+        try:
+            write_json_atomically(out_dir / META_FILE, meta)
+        except OSError:  # a read-only directory (a run evaluated where it cannot write): used as it is
+            return load_meta(out_dir)
+        print(f"recorded the sha256 of {len(missing)} token file(s) in {out_dir / META_FILE}", file=sys.stderr)
     return meta
 
 
@@ -245,19 +273,21 @@ class _TokenFile:
         self.file = open(self.tmp, "wb")
         self.dtype, self.start, self.eos = dtype, np.array(start, dtype), np.array([eos_id], dtype)
         self.tokens = self.documents = 0
+        self.digest = hashlib.sha256()  # of the bytes as written: no second read of the file
 
     def add(self, docs: Iterable[list[int]]) -> None:
         pieces = [p for ids in docs for p in (self.start, np.asarray(ids, self.dtype), self.eos)]
         if pieces:
             block = np.concatenate(pieces)
             self.file.write(block)  # not block.tofile: its OSError carries no errno, so a full disk would not be recognised
+            self.digest.update(block)
             self.tokens += block.size
             self.documents += len(pieces) // 3
 
     def finish(self, spec: str) -> dict:
         self.file.close()
         os.replace(self.tmp, self.path)
-        return {"spec": spec, "file": self.relative, "tokens": self.tokens, "documents": self.documents}
+        return {"spec": spec, "file": self.relative, "tokens": self.tokens, "documents": self.documents, "sha256": self.digest.hexdigest()}
 
     def abandon(self) -> None:
         self.file.close()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -23,7 +25,7 @@ from fibjax import distributed, kinds
 from fibjax._moved import forward_to
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
-from fibjax.data.token_files import open_tokens
+from fibjax.data.token_files import open_tokens, verify_checksums
 from fibjax.eval import batching
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
@@ -58,6 +60,7 @@ def dataset_streams(run: run_load.LoadedRun, specs: dict[str, str] | None) -> di
     for name, spec in specs.items():
         directory, _, source = spec.partition(":")
         meta = data_lib.load_meta(directory, tokenizer_sha256=run.tokenizer_sha256)
+        verify_checksums(directory, meta)
         source = source or (name if name in meta["sources"] else None)
         if source is None:
             choices = data_lib.validation_sources(meta)
@@ -240,6 +243,7 @@ def evaluate_workdir(
     run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
     ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings)."""
     run = run_load.load_run(workdir, step_number)
+    distributed.on_main(lambda: check_writable(Path(workdir) / "eval"), "checking where the report goes")
     if rope:
         run = with_rope(run, rope)
     lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])
@@ -255,12 +259,36 @@ def evaluate_workdir(
     report["data"] = specs or {"(the run's own validation sources)": str(run.data_dir)}
     # one file per evaluation setting, so a later evaluation never replaces the end-of-training one
     if tag is None:
-        parts = [a.replace("=", "_") for a in [*(attention_overrides or []), *(f"rope_{r}" for r in rope or [])]] + sorted(f"data_{k}" for k in specs or {})
+        parts = [a.replace("=", "_") for a in [*(attention_overrides or []), *(f"rope_{r}" for r in rope or [])]]
+        parts += sorted(data_part(k, v) for k, v in (specs or {}).items())
         parts += [f"len_{'_'.join(map(str, lengths))}"] if lengths != [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers] else []
         parts += [f"tokens_{max_tokens}"] if max_tokens and max_tokens != run.cfg.eval.max_tokens else []
         parts += ["dropped_mass"] if dropped_mass else []
         tag = "-".join(p.replace("/", "_") for p in parts)
     return report, distributed.on_main(lambda: write_report(workdir, report, tag), "writing the evaluation report")
+
+
+def data_part(name: str, spec: str) -> str:
+    """A report name's part for ``--data NAME=DIR[:SOURCE]``: the name and a hash of the resolved
+    DIR:SOURCE, so that evaluations of other data under the same name never share a file."""
+    directory, _, source = spec.partition(":")
+    where = hashlib.sha256(f"{Path(directory).resolve()}:{source}".encode()).hexdigest()[:8]
+    return f"data_{name}_{where}"
+
+
+def check_writable(directory: Path) -> None:
+    """An evaluation's output can be written to ``directory`` (or, before it exists, the nearest
+    directory above it): checked before the evaluation, not after it, by a file made and removed
+    there."""
+    where = next(p for p in [directory, *directory.absolute().parents] if p.is_dir())
+    try:
+        with tempfile.TemporaryFile(dir=where, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise EvalError(
+            f"cannot write the evaluation report in {where}: {e.strerror or e}; nothing was evaluated. Make it writable, "
+            "or evaluate a copy of the run directory made elsewhere"
+        ) from None
 
 
 def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:

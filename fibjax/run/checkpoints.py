@@ -12,9 +12,12 @@ restored arrays must be finite. A failed asynchronous save is reported by the ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grain
@@ -32,6 +35,8 @@ from fibjax.run.workdir import CONFIG_FILE, CheckpointError
 ROOM_MARGIN = 1.25
 # where --resume-step moves the steps after the one it resumes from (kept, not deleted)
 SET_ASIDE_DIR = "checkpoints.set_aside"
+# where a reader holds the step it reads (hard links, one directory per process; removed after)
+HELD_DIR = "checkpoints.held"
 
 # Keys renamed since a checkpoint may have been saved: saved name -> present name, wherever the
 # key occurs in the state tree (the parameters and the optimizer's per-parameter moments alike).
@@ -96,7 +101,7 @@ class Checkpointer:
         adds that much instead of a second copy of the model."""
         self.directory = Path(workdir).resolve() / CHECKPOINTS_DIR
         self.set_aside_directory = self.directory.parent / SET_ASIDE_DIR
-        self.keep = cfg.keep
+        self.keep, self._cfg = cfg.keep, cfg
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True, temporary_path_class=_VerifiedRename
         )
@@ -152,13 +157,16 @@ class Checkpointer:
             steps = numbered_steps(self.directory)
             kept = set(steps[-max(self.keep - 1, 1) :]) | set(self.all_steps()[-1:])
             old = [s for s in steps if s not in kept]
-            if not old or shutil.disk_usage(self.directory).free >= ROOM_MARGIN * _bytes(self.directory / str(steps[-1])):
+            if not old:
+                return []
+            free, size = shutil.disk_usage(self.directory).free, _bytes(self.directory / str(steps[-1]))
+            if free >= ROOM_MARGIN * size:  # the free space before deleting is the one the message reports
                 return []
             for s in old:
                 shutil.rmtree(self.directory / str(s))
             print(
-                f"warning: {free_space(self.directory)} free in {self.directory}, less than a checkpoint takes: deleted "
-                f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep})",
+                f"warning: {human_bytes(free)} free in {self.directory}, less than a checkpoint takes ({human_bytes(size)}): deleted "
+                f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep}); {free_space(self.directory)} free now",
                 file=sys.stderr,
             )
             return old
@@ -208,7 +216,7 @@ class Checkpointer:
 
         Raises DamagedCheckpoint when its files changed since the save, cannot be read, or
         hold non-finite numbers; nothing is deleted."""
-        self._check_files(step)
+        self.check_files(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = rename_keys(abstract_state, {new: old for old, new in renames.items()})  # asked for by the saved names
         items = {"state": ocp.args.StandardRestore(target)}
@@ -224,7 +232,7 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_params):
         """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
         a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
-        self._check_files(step)
+        self.check_files(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = {"params": rename_keys(abstract_params, {new: old for old, new in renames.items()})}
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
@@ -237,7 +245,8 @@ class Checkpointer:
         self._check_finite(step, restored["state"]["params"])
         return rename_keys(restored["state"]["params"], renames)
 
-    def _check_files(self, step: int) -> None:
+    def check_files(self, step: int) -> None:
+        """Raise DamagedCheckpoint unless ``step`` is finished and its files match their checksums."""
         if step in self.unverified_steps():
             raise self._damaged(step, checksum_problem(self.directory / str(step)))
         if step not in self.all_steps():
@@ -251,16 +260,51 @@ class Checkpointer:
         if bad:
             raise self._damaged(step, f"{len(bad)} array(s) hold NaN or infinite values, e.g. {bad[0]}")
 
-    def _unreadable(self, step: int, e: Exception) -> DamagedCheckpoint:
-        return self._damaged(
-            step,
-            f"it could not be read ({failures.error_reason(e)}); either its files are damaged or it holds another "
-            f"model than {self.directory.parent / CONFIG_FILE} describes",
+    def _unreadable(self, step: int, e: Exception) -> CheckpointError:
+        # its files matched their checksums just before (check_files): they are the ones saved,
+        # so what differs is the model asked for, i.e. the run's config
+        config = self.directory.parent / CONFIG_FILE
+        return CheckpointError(
+            f"checkpoint step {step} in {self.directory} is intact (its files match their checksums) but does not fit the model "
+            f"{config} describes ({failures.error_reason(e)}): was {config} edited since the run saved it? Nothing was deleted; "
+            "put back the config the run was trained with, then resume with the command that trained it"
         )
 
     def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
         others = [s for s in self.all_steps() if s != step]
         return DamagedCheckpoint(f"checkpoint step {step} in {self.directory} is damaged: {why}. Nothing was deleted; other steps: {others}.", step)
+
+    @contextlib.contextmanager
+    def held(self, step: int) -> Iterator[Checkpointer]:
+        """A Checkpointer that reads ``step`` from hard links to its files, so that a run training in
+        the same workdir cannot take the step away while it is read (``checkpoint.keep`` deletes
+        names; the bytes stay until their last link goes). Where links cannot be made (another
+        filesystem, a read-only workdir, the step being deleted already) it is this one, and in
+        a multi-process job too (a CheckpointManager there synchronises its processes over one
+        directory, not one each). Its errors name the step where it is, not the links."""
+        root = self.directory.parent / HELD_DIR / f"{socket.gethostname()}-{os.getpid()}"
+        if jax.process_count() > 1:
+            yield self
+            return
+        try:
+            shutil.copytree(self.directory / str(step), root / CHECKPOINTS_DIR / str(step), copy_function=os.link)
+            holder = Checkpointer(root, self._cfg)
+        except (OSError, shutil.Error):
+            shutil.rmtree(root, ignore_errors=True)
+            yield self
+            return
+        shown = lambda e: str(e).replace(str(root / CHECKPOINTS_DIR), str(self.directory)).replace(str(root), str(self.directory.parent))  # noqa: E731
+        try:
+            yield holder
+        except DamagedCheckpoint as e:
+            raise DamagedCheckpoint(shown(e), e.step) from None
+        except CheckpointError as e:
+            raise CheckpointError(shown(e)) from None
+        finally:
+            holder.close()
+            shutil.rmtree(root, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                root.parent.rmdir()  # unless another reader holds a step too
 
     def latest_intact_step(self, before: int) -> int | None:
         """The latest finished step before ``before`` whose files match their checksums (None if none)."""

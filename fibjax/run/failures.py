@@ -52,8 +52,8 @@ def _drop_orbax_errors(record: logging.LogRecord) -> bool:
 
 def quiet_orbax_failures() -> None:
     """Orbax reports one failed background save many times: absl log records, asyncio's "Task
-    exception was never retrieved", uncaught exceptions in its threads, each with a traceback
-    (~2,000 lines for one full disk). The Checkpointer reports each failure once, as a
+    exception was never retrieved", uncaught exceptions in its threads and unraisable ones, each
+    with a traceback (~2,000 lines for one full disk). The Checkpointer reports each failure once, as a
     CheckpointError, so those are dropped (once per process; other threads' errors still print)."""
     global _quiet
     if _quiet:
@@ -69,9 +69,13 @@ def quiet_orbax_failures() -> None:
 
     def unraisable_hook(args):
         # TensorStore writes that finish after Orbax gave up on a failed save call back into
-        # its closed event loop (one traceback per write); TensorStore reports it as unraisable
+        # its closed event loop (one traceback per write); TensorStore reports it as unraisable.
+        # A failed restore (another model's shapes) leaves one read coroutine per array, each
+        # printed with its TensorStore spec at exit (~250 lines after the one error).
         late = args.exc_type is RuntimeError and str(args.exc_value) == "Event loop is closed"
-        if not (late and any(frame.f_code.co_name == "call_soon_threadsafe" for frame, _ in traceback.walk_tb(args.exc_traceback))):
+        if late and any(frame.f_code.co_name == "call_soon_threadsafe" for frame, _ in traceback.walk_tb(args.exc_traceback)):
+            return
+        if not _in_orbax("", args.exc_traceback):
             previous_unraisable_hook(args)
 
     threading.excepthook, sys.unraisablehook = thread_hook, unraisable_hook

@@ -41,6 +41,15 @@ def unverified_steps(workdir: Path) -> list[int]:
     return [s for s in numbered_steps(directory) if not (directory / str(s) / SUMS_FILE).is_file()]
 
 
+def unfinished_saves(workdir: Path) -> list[int]:
+    """Steps whose save began but never committed: Orbax's temporary ``<step>.orbax-checkpoint-tmp*``
+    directories, which a kill mid-save leaves (Orbax ignores them; a later save of the step
+    replaces them)."""
+    directory = Path(workdir) / CHECKPOINTS_DIR
+    names = (p.name.split(".")[0] for p in directory.glob("*.orbax-checkpoint-tmp*")) if directory.is_dir() else ()
+    return sorted({int(n) for n in names if n.isdigit()})
+
+
 def record_checksums(step_dir: Path) -> None:
     """Write the sha256 of every file of a step's items into the step (about 1.4 GB/s). Orbax's
     own files at the step's top (its step metadata, its commit marker) are left out: Orbax

@@ -8,6 +8,8 @@ run on the embedded corpus whose data directory is gone, it is prepared again fi
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,11 @@ from fibjax.config import AttentionConfig, TrainConfig
 from fibjax.data.token_files import data_tokenizer
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
-from fibjax.run.workdir import CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir
+from fibjax.run.integrity import finished_steps
+from fibjax.run.workdir import CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir, verify_data
+
+# how many times an evaluation reads the latest step again when training deletes the one it reads
+DELETED_RETRIES = 3
 
 
 @dataclass
@@ -38,27 +44,64 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
     """The run's config and the parameters of ``step_number`` (default: the latest checkpoint)."""
     workdir = Path(workdir)
     cfg = load_run_config(workdir)
+    if not finished_steps(workdir):  # checked before the Checkpointer, which would create checkpoints/
+        raise CheckpointError(
+            f"{workdir} has no finished checkpoint yet: it saves its first at step {cfg.checkpoint.every_steps} "
+            f"(checkpoint.every_steps); train it (the command that started it, with --workdir {workdir}) and evaluate it then"
+        )
     ckpt = Checkpointer(workdir, cfg.checkpoint)
     try:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise CheckpointError(f"{workdir} has no checkpoint yet")
-        chosen = steps[-1] if step_number is None else step_number
-        if chosen not in steps:
-            raise CheckpointError(f"{workdir} has no checkpoint for step {chosen}; available: {steps}")
-        try:
-            # on this process's first device: a pod's processes each restore a copy, and the
-            # evaluation replicates it over the mesh (eval_mesh)
-            params = ckpt.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
-        except DamagedCheckpoint as e:
-            earlier = ckpt.latest_intact_step(before=e.step)
-            raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
+        chosen, params = _restore_held(ckpt, cfg, step_number)
     finally:
         ckpt.close()
     data_dir = resolve_data_dir(cfg, workdir)
     # the data must still hold the tokenizer the run trained with (load_meta also checks the file)
-    sha = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))["tokenizer"]["sha256"]
+    meta = data_lib.load_meta(data_dir, tokenizer_sha256=pinned_tokenizer(workdir))
+    verify_data(workdir, data_dir, meta)
+    sha = meta["tokenizer"]["sha256"]
     return LoadedRun(cfg, chosen, params, data_dir, sha, workdir)
+
+
+def _restore_held(ckpt: Checkpointer, cfg: TrainConfig, step_number: int | None) -> tuple[int, dict]:
+    """(step, parameters) of ``step_number``, default the latest, held against deletion by a run
+    training beside the evaluation (``Checkpointer.held``). Where it cannot be held, or was
+    being deleted already, and its directory is gone, the latest step is read instead (unless
+    one was asked for), saying so."""
+    chosen = step_number
+    for _ in range(DELETED_RETRIES):
+        steps = ckpt.all_steps()
+        chosen = steps[-1] if step_number is None and steps else chosen
+        if chosen not in steps:
+            raise CheckpointError(f"{ckpt.directory.parent} has no checkpoint for step {chosen}; available: {steps}")
+        try:
+            # on this process's first device: a pod's processes each restore a copy, and the
+            # evaluation replicates it over the mesh (eval_mesh)
+            with ckpt.held(chosen) as source:
+                return chosen, source.restore_params(chosen, abstract_params(cfg.model, jax.local_devices()[0]))
+        except CheckpointError as e:
+            if not _deleted(ckpt, chosen):
+                earlier = ckpt.latest_intact_step(before=e.step) if isinstance(e, DamagedCheckpoint) else None
+                raise CheckpointError(f"{e}" + (f" Evaluate step {earlier} instead with --step {earlier}." if earlier else "")) from None
+        ckpt.reload()
+        now = ckpt.all_steps()
+        if step_number is not None or not now:
+            raise CheckpointError(
+                f"checkpoint step {chosen} in {ckpt.directory} was deleted while it was read (a run training there keeps "
+                f"checkpoint.keep={cfg.checkpoint.keep} steps); its steps now: {now}: evaluate one of them with --step"
+            )
+        keep = f"checkpoint.keep={cfg.checkpoint.keep}"
+        print(f"warning: checkpoint step {chosen} was deleted while it was read ({keep}); reading step {now[-1]}, now the latest", file=sys.stderr)
+    raise CheckpointError(f"checkpoints in {ckpt.directory} were deleted {DELETED_RETRIES} times while read: evaluate once the run there has ended")
+
+
+def _deleted(ckpt: Checkpointer, step: int) -> bool:
+    """Whether ``step`` is being deleted: its directory is gone, at once or within a few seconds
+    (the files of a big step take a moment to delete)."""
+    for _ in range(20):
+        if not (ckpt.directory / str(step)).is_dir():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def abstract_params(model_cfg, device) -> dict:

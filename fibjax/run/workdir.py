@@ -4,20 +4,22 @@ tokenizer it trained with, and where its data lives.
 A run is one workdir: ``config.json`` holds its resolved TrainConfig, written when the run
 starts and compared on every resume (only the fields in RESUMABLE_CHANGES may differ);
 ``tokenizer.sha256`` pins the tokenizer of its data, so data prepared again under the same path
-is refused rather than read with other token ids.
+is refused rather than read with other token ids; ``data.sha256.json`` records the token files
+whose checksums the run verified (and when), so that a resume hashes only files changed since.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from fibjax import data as data_lib
 from fibjax import distributed
 from fibjax.config import TrainConfig, from_dict, to_dict
-from fibjax.data.token_files import write_json_atomically
+from fibjax.data.token_files import verify_checksums, write_json_atomically
 from fibjax.errors import FibjaxError
 from fibjax.run.lock import LOCK_FILE
 
@@ -25,6 +27,7 @@ CONFIG_FILE = "config.json"
 TOKENIZER_PIN = "tokenizer.sha256"
 # written by fibjax.hf's import: the run holds imported weights and nothing to resume
 IMPORTED_FILE = "hf_source.json"
+DATA_RECORD = "data.sha256.json"
 # the embedded corpus's directory inside a run that names no data.path
 DATA_DIR = "data"
 # Fields a resumed run may change: how long and how often, and how the same step is computed
@@ -65,6 +68,16 @@ def config_differences(saved: TrainConfig, current: TrainConfig) -> list[str]:
     """Fields that differ and may not change on resume, as 'field: saved -> current'."""
     allowed = lambda key: any(key == f or key.startswith(f + ".") for f in RESUMABLE_CHANGES)  # noqa: E731
     return [f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in changed_fields(saved, current).items() if not allowed(k)]
+
+
+def check_is_directory(workdir: Path) -> None:
+    """``workdir`` is a directory or can become one: a file there (or above it) is named, not
+    reported as "File exists" by the first mkdir."""
+    for path in [Path(workdir), *Path(workdir).absolute().parents]:
+        if path.exists():
+            if not path.is_dir():
+                raise CheckpointError(f"--workdir {workdir}: {path} is a file, not a directory; name another --workdir or move that file")
+            return
 
 
 def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
@@ -137,6 +150,35 @@ def pinned_tokenizer(workdir: Path) -> str | None:
     """The tokenizer sha256 a run trained with (None for a run that never started training)."""
     path = Path(workdir) / TOKENIZER_PIN
     return path.read_text().strip() if path.exists() else None
+
+
+_WARNED: set[str] = set()  # data directories warned about in this process (a start checks its data twice)
+
+
+def verify_data(workdir: Path, data_dir: Path, meta: dict) -> dict:
+    """The run's token files match their checksums (``verify_checksums``: a file the run already
+    verified and unchanged since is not hashed again). Warns once per run, when first used, about
+    data prepared before meta.json carried checksums. Returns the record for ``record_data``;
+    writes nothing."""
+    path = Path(workdir) / DATA_RECORD
+    before = json.loads(path.read_text()) if path.is_file() else {}
+    record = verify_checksums(data_dir, meta, before)
+    unchecked = [f for f, entry in record.items() if entry["sha256"] is None and f not in before]
+    if unchecked and distributed.is_main() and str(data_dir) not in _WARNED:
+        _WARNED.add(str(data_dir))
+        print(
+            f"warning: {Path(data_dir) / 'meta.json'} records no checksums of its token files (prepared before fibjax wrote them): "
+            "a token changed on disk to another valid id would go unnoticed. Running the command that prepared it again adds them.",
+            file=sys.stderr,
+        )
+    return record
+
+
+def record_data(workdir: Path, record: dict) -> None:
+    """Write what ``verify_data`` verified (the first start, and a resume after a file changed)."""
+    path = Path(workdir) / DATA_RECORD
+    if not path.is_file() or json.loads(path.read_text()) != record:
+        write_json_atomically(path, record)
 
 
 def data_dir_of(cfg: TrainConfig, workdir: Path) -> Path:

@@ -37,13 +37,25 @@ from fibjax.errors import FibjaxError
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
 from fibjax.run.curves import curve_key, curve_values
 from fibjax.run.failures import disk_full
-from fibjax.run.integrity import finished_steps
+from fibjax.run.integrity import finished_steps, unfinished_saves
 from fibjax.run.lock import WorkdirLock
-from fibjax.run.workdir import CheckpointError, check_tokenizer_pin, check_workdir, claim_workdir, data_dir_of, pin_tokenizer, resolve_data_dir
+from fibjax.run.workdir import (
+    CheckpointError,
+    check_is_directory,
+    check_tokenizer_pin,
+    check_workdir,
+    claim_workdir,
+    data_dir_of,
+    pin_tokenizer,
+    record_data,
+    resolve_data_dir,
+    verify_data,
+)
 from fibjax.train import init_from
 from fibjax.train.metrics import MetricsWriter, fit_summary, read_metrics
 from fibjax.train.optimizer import lr_schedule
 from fibjax.train.step import build
+from fibjax.train.stopping import Preemption, unless_stopped
 
 # Test-only fault injection: SIGKILL this process right after the checkpoint of this step is
 # on disk, to test exact resume after a crash deterministically.
@@ -64,17 +76,20 @@ class RunResult:
     data_dir: Path
     losses: list[float] = field(default_factory=list)
     already_done: bool = False  # the run had reached cfg.steps before: nothing was trained
+    left_compiling: bool = False  # stopped while compiling: the compiler still runs in a thread; exit without waiting
 
 
-def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
-    """The data is intact (sizes, token ids < vocabulary), fits the model, and has the tokenizer
-    the run started with; returns that tokenizer's sha256. Reads only."""
+def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> tuple[str, dict]:
+    """The data is intact (sizes, checksums, token ids < vocabulary), fits the model, and has the
+    tokenizer the run started with; returns that tokenizer's sha256 and the record of the
+    verified files (``record_data``). Reads only."""
     try:
         meta = data_lib.load_meta(data_dir)
         vocab = meta["tokenizer"]["vocab_size"]
         for source in meta["sources"].values():
             for split in source.values():
                 check_token_ids(data_dir / split["file"], np.dtype(meta["dtype"]), vocab)
+        verified = verify_data(workdir, data_dir, meta)  # after the ids: an id out of range is the more telling error
     except DataError as e:
         if cfg.data.path and _prepares(cfg.data.prepare, cfg.data.path) and not (data_dir / META_FILE).exists():
             raise DataError(
@@ -87,7 +102,7 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> str:
     check_tokenizer_pin(workdir, meta["tokenizer"]["sha256"])
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({vocab}) in {data_dir}")
-    return meta["tokenizer"]["sha256"]
+    return meta["tokenizer"]["sha256"], verified
 
 
 def _prepares(command: str, path: str) -> bool:
@@ -130,6 +145,7 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
     saved = distributed.on_main(lambda: check_workdir(workdir, cfg), f"claiming the workdir {workdir}")
     start = start_step(cfg, workdir, resume_step)
     if start == cfg.steps:
+        distributed.on_main(lambda: check_final_step(cfg, workdir, start), f"checking checkpoint step {start}")
         return start, None, None
     if saved is not None and start and saved.steps != cfg.steps:
         warn_schedule_change(saved, cfg, start)
@@ -141,7 +157,7 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
         raise ConfigError(f"global_batch: {cfg.global_batch} is not divisible by data x fsdp = {batch_shards}")
     source = init_from.locate(cfg) if cfg.init_from and not start else None
     if cfg.data.path:
-        sha = check_data(cfg, Path(cfg.data.path), workdir)
+        sha, _ = check_data(cfg, Path(cfg.data.path), workdir)
         if source:
             init_from.check_tokenizer(source, sha)
     elif cfg.data.default_vocab_size > cfg.model.vocab_size:  # the embedded corpus is prepared after the claim
@@ -150,34 +166,6 @@ def preflight(cfg: TrainConfig, workdir: Path, resume_step: int | None) -> tuple
             f"(data.default_vocab_size = {cfg.data.default_vocab_size})"
         )
     return start, mesh, source
-
-
-class _Preemption:
-    """SIGTERM / SIGINT set a flag; the loop saves at the next step boundary and exits."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-    def agreed(self) -> bool:
-        """True on every process if any process was asked to stop (all must save together)."""
-        if jax.process_count() == 1:
-            return self.requested
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
 def validation_batches(cfg: TrainConfig, data_dir: Path, batch_shards: int) -> dict[str, np.ndarray]:
@@ -218,14 +206,7 @@ def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int 
     try:
         state = ckpt.restore(step, trainer.abstract_state, data_iter)
     except DamagedCheckpoint as e:
-        earlier = ckpt.latest_intact_step(before=e.step)
-        way = (
-            f"To continue from step {earlier}, run the same command with --resume-step {earlier} "
-            f"(the later steps are then moved to {ckpt.set_aside_directory}, not deleted)."
-            if earlier
-            else "No earlier checkpoint is intact: train again in a new --workdir."
-        )
-        raise CheckpointError(f"{e} {way}") from None
+        raise CheckpointError(f"{e} {way_on(ckpt, e.step)}") from None
     moved = distributed.on_main(lambda: ckpt.set_aside_after(step), "setting aside the later checkpoints")
     ckpt.reload()
     if moved:
@@ -236,6 +217,29 @@ def restore(ckpt: Checkpointer, step: int, trainer, data_iter, resume_step: int 
     return state
 
 
+def way_on(ckpt: Checkpointer, damaged: int) -> str:
+    """What to do about a damaged step: continue from the latest intact one before it."""
+    earlier = ckpt.latest_intact_step(before=damaged)
+    if not earlier:
+        return "No earlier checkpoint is intact: train again in a new --workdir."
+    return (
+        f"To continue from step {earlier}, run the same command with --resume-step {earlier} "
+        f"(the later steps are then moved to {ckpt.set_aside_directory}, not deleted)."
+    )
+
+
+def check_final_step(cfg: TrainConfig, workdir: Path, step: int) -> None:
+    """A complete run's last checkpoint is intact (what ``launch.eval`` will read), checked before
+    "nothing to do" is said."""
+    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    try:
+        ckpt.check_files(step)
+    except DamagedCheckpoint as e:
+        raise CheckpointError(f"{workdir} is complete, but {e} {way_on(ckpt, e.step)}") from None
+    finally:
+        ckpt.close()
+
+
 def _write_failed(e: OSError, ckpt: Checkpointer) -> CheckpointError:
     """One error for a failed write of the metrics or events. A save in flight on the same
     full disk has failed too, as a rule: waiting for it reports that failure instead."""
@@ -244,7 +248,7 @@ def _write_failed(e: OSError, ckpt: Checkpointer) -> CheckpointError:
     free = f" ({free_space(where)} free there)" if disk_full(e) else ""
     return CheckpointError(
         f"could not write {where}: {e.strerror or e}{free}. "
-        f"Training is stopped; the last good checkpoint ({f'step {saved}' if saved else 'none'}) is untouched. "
+        f"Training is stopped; {f'the last good checkpoint (step {saved}) is untouched' if saved else 'no checkpoint was saved yet'}. "
         f"{'Free some space' if disk_full(e) else 'Fix that'} and run the same command to resume."
     )
 
@@ -269,26 +273,28 @@ def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resum
     check to the end, so a second start is refused at once, naming the holder."""
     distributed.initialize()
     workdir = Path(workdir)
+    check_is_directory(workdir)
     lock = WorkdirLock(workdir)
     distributed.on_main(lock.acquire, f"locking the workdir {workdir}")
     try:
-        return _train(cfg, workdir, progress, resume_step)
+        with Preemption() as preemption:  # from the start: a signal while restoring or compiling stops the run too
+            return _train(cfg, workdir, progress, resume_step, preemption)
     finally:
         lock.release()  # a no-op on the processes that do not hold it
 
 
-def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | None) -> RunResult:
+def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | None, preemption: Preemption) -> RunResult:
     start, mesh, source = preflight(cfg, workdir, resume_step)
     if mesh is None:
         return RunResult(final_step=start, preempted=False, data_dir=data_dir_of(cfg, workdir), already_done=True)
     if not start:  # a new run: claimed before the embedded corpus is prepared in it (one writer of config.json)
         distributed.on_main(lambda: claim_workdir(workdir, cfg), f"claiming the workdir {workdir}")
     data_dir = resolve_data_dir(cfg, workdir)
-    tokenizer_sha256 = check_data(cfg, data_dir, workdir)  # again for the embedded corpus, prepared just now
+    tokenizer_sha256, verified = check_data(cfg, data_dir, workdir)  # again for the embedded corpus, prepared just now
     if source:
         init_from.check_tokenizer(source, tokenizer_sha256)
     if not start:
-        distributed.on_main(lambda: pin_tokenizer(workdir, tokenizer_sha256), "recording the run's tokenizer")
+        distributed.on_main(lambda: (pin_tokenizer(workdir, tokenizer_sha256), record_data(workdir, verified)), "recording the run's data")
 
     trainer = build(cfg, mesh)
     data_iter = data_lib.train_iterator(
@@ -304,7 +310,10 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
     ckpt = Checkpointer(workdir, cfg.checkpoint)
     state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
     if start:  # a resume writes nothing before its checkpoint is restored: a failed one changes nothing
-        distributed.on_main(lambda: (claim_workdir(workdir, cfg), pin_tokenizer(workdir, tokenizer_sha256)), f"recording the resumed run in {workdir}")
+        distributed.on_main(
+            lambda: (claim_workdir(workdir, cfg), pin_tokenizer(workdir, tokenizer_sha256), record_data(workdir, verified)),
+            f"recording the resumed run in {workdir}",
+        )
     if source:
         state, notes = init_from.initial_state(state, source, mesh)
         if distributed.is_main():
@@ -320,8 +329,12 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
     result = RunResult(final_step=start, preempted=False, data_dir=data_dir)
 
     say = tqdm.write if distributed.is_main() else (lambda *a, **k: None)
+    unfinished = [s for s in unfinished_saves(workdir) if s > start]
+    stopped = f"the save of step {unfinished[-1]} did not finish (the run stopped during it)" if unfinished else ""
     if start:
-        say(f"resuming {workdir} from step {start}")
+        say(f"resuming {workdir} from step {start}" + (f": {stopped}" if stopped else ""))
+    elif stopped:
+        say(f"starting {workdir} from step 0: {stopped}, and no earlier step was saved")
     bar = None  # opened once the first step has compiled, so that its rate and ETA leave compilation out
     pending, last_time, rates, shown = None, time.perf_counter(), [], {}  # shown: the bar's postfix
     batch_log = _batch_log()
@@ -365,7 +378,7 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
 
     failing = True
     try:
-        with _Preemption() as preemption, jax.set_mesh(mesh):
+        with jax.set_mesh(mesh):
             for step in range(start, cfg.steps):
                 local_BL = next(data_iter)  # this process's rows of the global batch
                 if batch_log:
@@ -373,11 +386,17 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
                 batch = jax.make_array_from_process_local_data(trainer.batch_sharding, local_BL)
                 if bar is None:
                     say(f"compiling the training step (step {step + 1} runs once it is compiled) ...")
-                state, metrics = trainer.step(state, batch)
-                if bar is None:
-                    jax.block_until_ready(metrics)
+                    first = unless_stopped(lambda: jax.block_until_ready(trainer.step(state, batch)), preemption, mesh)
+                    if first is None:
+                        result.preempted = result.left_compiling = True
+                        since = f"checkpoint step {start}, which is untouched" if start else "the start: there is no checkpoint yet"
+                        say(f"stopped by a signal while compiling: nothing was trained since {since}; run the same command to resume")
+                        break
+                    state, metrics = first
                     say(f"compiled; step {step + 1} done in {time.perf_counter() - last_time:.1f} s")
                     bar = tqdm(total=cfg.steps, initial=step + 1, disable=not (progress and distributed.is_main()), unit="step", dynamic_ncols=True)
+                else:
+                    state, metrics = trainer.step(state, batch)
                 ckpt.poll()  # a failed background save stops the run now, not at the next save
                 if pending:
                     flush(pending)
