@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch._args import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.export_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.export_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", help="the Hugging Face model directory to write (new or empty)")
     parser.add_argument("--workdir", required=True, help="the fibjax run to export")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")

@@ -24,9 +24,11 @@ import argparse
 import sys
 import time
 
+from launch._args import Parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launch.import_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="python -m launch.import_hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="a local Hugging Face model directory")
     parser.add_argument("--workdir", required=True, help="the new run directory (must not exist, or be empty)")
     parser.add_argument(
