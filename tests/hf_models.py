@@ -49,9 +49,9 @@ def transformers_or_skip():
 
 def by_transformers(model_dir: Path, arch: str, seed: int = 0):
     """A random model of ``arch`` built and saved by transformers itself; returns it (eval mode)."""
+    transformers = transformers_or_skip()
     import torch
 
-    transformers = transformers_or_skip()
     config_class, kwargs = ARCHS[arch]
     config = getattr(transformers, config_class)(**synthetic.SMALL, **kwargs)
     torch.manual_seed(seed)

@@ -50,12 +50,12 @@ def rope_of(hf: dict) -> tuple[float, dict]:
 
 def _rope_fields(hf: dict) -> dict:
     theta, scaling = rope_of(hf)
-    kind = scaling.get("rope_type", scaling.get("type"))
+    rope_type = scaling.get("rope_type", scaling.get("type"))
     if not scaling:
         return {"rope_theta": theta}
-    if kind == "linear":
+    if rope_type == "linear":
         return {"rope_theta": theta, "rope_scaling": "linear", "rope_factor": float(scaling["factor"])}
-    if kind == "llama3":
+    if rope_type == "llama3":
         return {
             "rope_theta": theta,
             "rope_scaling": "llama3",
@@ -64,7 +64,7 @@ def _rope_fields(hf: dict) -> dict:
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
         }
-    raise UnsupportedModel(f"config.json: rope_scaling type {kind!r} is not supported (supported: none, linear, llama3)")
+    raise UnsupportedModel(f"config.json: rope_scaling type {rope_type!r} is not supported (supported: none, linear, llama3)")
 
 
 def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:

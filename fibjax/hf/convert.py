@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from fibjax import kinds
 from fibjax.config import DataConfig, MeshConfig, TrainConfig, to_dict
 from fibjax.data import token_files
 from fibjax.data.prepare import prepare_tokenizer_only
@@ -130,7 +131,7 @@ def export_model(workdir: str | Path, out_dir: str | Path, *, step: int | None =
         raise UnsupportedModel(f"--model-type {model_type!r}: supported {', '.join(FAMILY)}")
     attention = cfg.attention
     notes = {}
-    if attention.kind != "dense" or run.cfg.ssa.enabled:
+    if kinds.kind_of(attention).sparse or run.cfg.ssa.enabled:  # transformers would run other attention
         notes["fibjax_attention"] = {**to_dict(attention), "ssa": run.cfg.ssa.enabled}
     config = hf_config(cfg, model_type, source.get("config", {}).get("max_position_embeddings", run.cfg.seq_len), {**source.get("config", {}), **notes})
     stored = np.dtype(dtype or cfg.param_dtype)

@@ -20,6 +20,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from fibjax.errors import FibjaxError
+
 DTYPES = {
     "F64": np.dtype(np.float64),
     "F32": np.dtype(np.float32),
@@ -36,7 +38,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 2**20  # the format's own limit on the JSON header
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(FibjaxError, ValueError):
     """A safetensors file is missing, truncated or not in the format; the message names it."""
 
 
