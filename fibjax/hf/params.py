@@ -55,18 +55,12 @@ def place(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef], mesh: Mesh) 
         array = jax.make_array_from_callback(t.shape, _get(shardings, t.path), lambda idx, view=view: np.asarray(view[idx]).astype(dtype, copy=False))
         _set(params, t.path, array)
         del view  # the map is closed once the last slice is read
-    missing = [p for p, _ in jax.tree_util.tree_flatten_with_path(wanted)[0] if not _has(params, p)]
+    filled = {path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shapes = jax.tree_util.tree_flatten_with_path(wanted, is_leaf=lambda x: isinstance(x, tuple))[0]
+    missing = [path for path, _ in shapes if path not in filled]
     if missing:
         raise ValueError(f"fibjax's model has parameters no Hugging Face tensor fills: {missing[:3]} (only dense models import)")
     return params
-
-
-def _has(tree: dict, path) -> bool:
-    try:
-        _get(tree, tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path))
-        return True
-    except (KeyError, TypeError):
-        return False
 
 
 def hf_tensors(cfg: ModelConfig, params: dict, dtype: np.dtype) -> Iterator[tuple[str, np.dtype, tuple[int, ...], callable]]:
