@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -401,6 +402,24 @@ def restore_recorded(study: Study, say=print) -> list[str]:
     if restored:
         say(f"restored from {path} (trained elsewhere, no checkpoints here): {', '.join(restored)}")
     return restored
+
+
+def set_aside_restored(study: Study, run: StudyRun, say=print) -> Path | None:
+    """Move a restored run's directory (curves and eval files rebuilt from ``study.json``, no
+    checkpoints) to ``NAME.restored`` so that the run is trained again here: the way to get back
+    a checkpoint that only another machine had. A directory with real training in it is never
+    moved; returns the new path, or None when there was nothing restored to move."""
+    run_dir = study.run_dir(run)
+    if not (run_dir / RESTORED).exists():
+        return None
+    if (run_dir / "checkpoints").exists():
+        raise StudyError(f"{run_dir} has both a {RESTORED} marker and checkpoints; remove one by hand")
+    aside = run_dir.with_name(run_dir.name + ".restored")
+    if aside.exists():
+        shutil.rmtree(aside)  # an older copy of the same record
+    run_dir.rename(aside)
+    say(f"[{run.name}] restored copy moved to {aside}; training it again")
+    return aside
 
 
 def _summary_of(report: dict) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fibjax.config import ConfigError
-from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, write_results
+from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, set_aside_restored, write_results
 from tests.helpers import ATTN, ROOT, TINY_RUN, rows_for
 from tests.tiers import slow
 
@@ -94,6 +94,30 @@ def test_the_record_rebuilds_finished_runs_on_a_new_machine(tmp_path, capsys):
     (results / "study.json").write_text("{torn")
     with pytest.raises(StudyError, match="not a study summary"):
         restore_recorded(study)
+
+
+def test_retrain_sets_a_restored_run_aside_and_never_a_trained_one(tmp_path, capsys):
+    """``launch.study --retrain``: a run restored from the record (no checkpoints) is trained
+    again here; its restored copy is kept beside it, and a run trained here is never moved."""
+    study = make_study(tmp_path)
+    finish(study, "dense", [30.0, 45.0, 90.0])
+    write_results(study)
+    import shutil
+
+    shutil.rmtree(study.workdir)
+    restore_recorded(study)
+    dense, fib = study.runs[0], study.runs[1]
+    aside = set_aside_restored(study, dense, say=print)
+    assert aside == study.run_dir(dense).with_name("dense.restored") and (aside / RESTORED).exists()
+    assert not study.run_dir(dense).exists() and run_status(study, dense).state == "to do"
+    assert "training it again" in capsys.readouterr().out
+    finish(study, "fib", [32.0, 31.5, 31.2])  # trained here: left alone
+    assert set_aside_restored(study, fib) is None and (study.run_dir(fib) / "eval").exists()
+    broken = study.run_dir(dense)
+    (broken / "checkpoints").mkdir(parents=True)
+    (broken / RESTORED).write_text("x")
+    with pytest.raises(StudyError, match="both a RESTORED marker and checkpoints"):
+        set_aside_restored(study, dense)
 
 
 def test_a_runs_extra_evaluations_are_rows_of_the_report(tmp_path):
