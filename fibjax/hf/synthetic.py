@@ -44,7 +44,9 @@ def write_tokenizer(model_dir: Path) -> None:
 
 
 def tensor_shapes(hf: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama-family config.json implies, by its Hugging Face name."""
+    """Every tensor a Llama-family config.json implies, by its Hugging Face name. Written from
+    the config alone, not from the importer's list (``weights.tensors``), because the refusal
+    tests need models the importer refuses to describe (an unknown model_type, a sliding window)."""
     d, f, v = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"]
     e = hf.get("head_dim") or d // hf["num_attention_heads"]
     q, kv = hf["num_attention_heads"] * e, hf.get("num_key_value_heads", hf["num_attention_heads"]) * e
