@@ -230,6 +230,8 @@ def format_status(study: Study, statuses: list[RunStatus], fallback_tokens_per_s
         rate = f"{s.tokens_per_s:,.0f}" if s.tokens_per_s else "—"
         restored = s.recorded or (s.state == "done" and (study.run_dir(s.run) / RESTORED).exists())
         state = f"{s.state} (restored)" if restored else s.state
+        if s.state != "done" and (study.run_dir(s.run) / RESTORED).exists():
+            state = f"{s.state} (restored without checkpoints: --retrain)"
         if s.missing_data:
             state += f"; data missing: {s.missing_data}"
         lines.append(
@@ -307,6 +309,11 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
     pid = _lock_pid(lock)
     if pid is not None:
         raise StudyError(f"{run.name} is already being run by process {pid} ({lock})")
+    if (run_dir / RESTORED).exists():  # the record's curves and evaluations, no checkpoint to evaluate
+        raise StudyError(
+            f"{run.name} was restored from {study.results}/study.json without checkpoints and still needs an evaluation "
+            f"(one added to the study since it was trained); `--retrain --only {run.name}` trains it again here"
+        )
     lock.write_text(str(os.getpid()))
     try:
         if not (run_dir / "eval" / f"{cfg.steps}.json").exists():
@@ -414,7 +421,7 @@ def set_aside_restored(study: Study, run: StudyRun, say=print) -> Path | None:
         return None
     if (run_dir / "checkpoints").exists():
         raise StudyError(f"{run_dir} has both a {RESTORED} marker and checkpoints; remove one by hand")
-    aside = run_dir.with_name(run_dir.name + ".restored")
+    aside = run_dir.with_name(run_dir.name + RESTORED_ASIDE)
     if aside.exists():
         shutil.rmtree(aside)  # an older copy of the same record
     run_dir.rename(aside)
@@ -445,13 +452,14 @@ def write_results(study: Study, say=print) -> Path | None:
 
     out = Path(study.results)
     statuses = {r.name: run_status(study, r) for r in study.runs}  # each reads the run's metrics once
-    finished = [r for r in study.runs if statuses[r.name].state == "done"]
+    dirs = {r.name: d for r in study.runs if (d := report_dir(study, r, statuses[r.name])) is not None}
+    finished = [r for r in study.runs if r.name in dirs]
     if not finished:
         say("no finished run yet: nothing to report")
         return None
     ref = study.reference if study.reference in {r.name for r in finished} else None
     # a run's extra evaluations (sparse inference, RoPE scaling) are rows of their own, "RUN [tag]"
-    paths = [p for r in finished for p in (study.run_dir(r), *(_extra_eval_path(study.run_dir(r), statuses[r.name].steps, e) for e in r.extra_evals))]
+    paths = [p for r in finished for p in (dirs[r.name], *(_extra_eval_path(dirs[r.name], statuses[r.name].steps, e) for e in r.extra_evals)) if p.exists()]
     try:
         build_report(paths, out, reference=ref, groups=study.figures)
     except ReportError as e:
@@ -468,10 +476,13 @@ def write_results(study: Study, say=print) -> Path | None:
             "steps": s.steps,
             "tokens": s.tokens,
         }
-        if s.state == "done":
-            run_dir = study.run_dir(r)
+        if r.name in dirs:
+            run_dir = dirs[r.name]
             timing = _timing(run_dir)
-            entry.update({"tokens_per_s": s.tokens_per_s, "train_s": timing.get("train_s"), "eval_s": timing.get("eval_s")})
+            if s.state != "done":  # the record's run, kept while this machine lacks or retrains it
+                missing = [p.name for e in r.extra_evals if not (p := _extra_eval_path(run_dir, s.steps, e)).exists()]
+                entry.update({"state": "done", "step": s.steps, "tokens": s.steps * s.tokens_per_step, **({"evals_missing": missing} if missing else {})})
+            entry.update({"tokens_per_s": timing.get("tokens_per_s", s.tokens_per_s), "train_s": timing.get("train_s"), "eval_s": timing.get("eval_s")})
             evals = sorted((run_dir / "eval").glob(f"{s.steps}*.json"))
             entry["evals"] = {p.name: _summary_of(json.loads(p.read_text())) for p in evals}
             rows = _metrics(run_dir)
@@ -481,22 +492,39 @@ def write_results(study: Study, say=print) -> Path | None:
     path = out / "study.json"
     path.write_text(json.dumps(summary, indent=1) + "\n")
     if study.comparisons:
-        _write_paired(study, finished, statuses, out)
+        _write_paired(study, finished, statuses, dirs, out)
     if study.trends:
-        _write_trend(study, finished, statuses, out)
+        _write_trend(study, finished, statuses, dirs, out)
     say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
     return path
 
 
-def _plain_evals(study: Study, run: StudyRun, steps: int) -> list[Path]:
+RESTORED_ASIDE = ".restored"  # suffix of a restored run's directory set aside by ``--retrain``
+
+
+def report_dir(study: Study, run: StudyRun, status: RunStatus) -> Path | None:
+    """Where the report and the record read a run from: its directory when it is done; a run
+    known only from the record stays in both until it is done here: its restored directory (when
+    the study has since added an evaluation it lacks) or, while ``--retrain`` trains it again,
+    the restored copy set aside beside it. None: nothing to report yet."""
+    run_dir = study.run_dir(run)
+    if status.state == "done":
+        return run_dir
+    for candidate in (run_dir, run_dir.with_name(run_dir.name + RESTORED_ASIDE)):
+        if (candidate / RESTORED).exists() and (candidate / "eval" / f"{status.steps}.json").exists():
+            return candidate
+    return None
+
+
+def _plain_evals(study: Study, run: StudyRun, steps: int, run_dir: Path | None = None) -> list[Path]:
     """The run's evaluations under its own attention and RoPE: the main one, then the extra ones
     that only change the lengths (same scored tokens, so their NLLs are comparable)."""
-    run_dir = study.run_dir(run)
+    run_dir = run_dir or study.run_dir(run)
     extra = [_extra_eval_path(run_dir, steps, e) for e in run.extra_evals if len(e) == 2 and e[0] == "--lengths"]
     return [p for p in (run_dir / "eval" / f"{steps}.json", *extra) if p.exists()]
 
 
-def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatus]) -> dict:
+def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatus], dirs: dict[str, Path] | None = None) -> dict:
     """nll[model][seed][dataset][length] of every finished run that differs from its model's
     other runs only by seed (:meth:`Study.model_and_seed`)."""
     nlls: dict = {}
@@ -505,25 +533,25 @@ def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatu
         if key is None:
             continue
         model, seed = key
-        nlls.setdefault(model, {})[seed] = run_nlls(study, run, statuses[run.name].steps)
+        nlls.setdefault(model, {})[seed] = run_nlls(study, run, statuses[run.name].steps, (dirs or {}).get(run.name))
     return nlls
 
 
-def run_nlls(study: Study, run: StudyRun, steps: int) -> dict[str, dict[int, float]]:
+def run_nlls(study: Study, run: StudyRun, steps: int, run_dir: Path | None = None) -> dict[str, dict[int, float]]:
     """nll[dataset][length] of a run's plain evaluations (``_plain_evals``)."""
     nll: dict = {}
-    for path in _plain_evals(study, run, steps):
+    for path in _plain_evals(study, run, steps, run_dir):
         for dataset, rows in json.loads(path.read_text())["datasets"].items():
             for row in rows:  # the main evaluation's figure wins where two share a length
                 nll.setdefault(dataset, {}).setdefault(int(row["length"]), float(row["nll"]))
     return nll
 
 
-def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], out: Path) -> None:
+def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], dirs: dict[str, Path], out: Path) -> None:
     """paired.csv, paired.png and the report's section on the study's paired comparisons."""
     from fibjax.eval import paired
 
-    results = paired.paired(paired_nlls(study, finished, statuses), study.comparisons)
+    results = paired.paired(paired_nlls(study, finished, statuses, dirs), study.comparisons)
     if not results:
         return
     first = next(r for r in finished if (study.model_and_seed(r) or ("",))[0] == study.comparisons[0].a)
@@ -537,12 +565,12 @@ def _write_paired(study: Study, finished: list[StudyRun], statuses: dict[str, Ru
         f.write(section)
 
 
-def _write_trend(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], out: Path) -> None:
+def _write_trend(study: Study, finished: list[StudyRun], statuses: dict[str, RunStatus], dirs: dict[str, Path], out: Path) -> None:
     """length_trend.csv, length_trend.png and the report's section on the study's length trends."""
     from fibjax.eval import plots, trend
 
     named = {n for t in study.trends for n in t.runs}
-    runs = {r.name: (study.train_config(r).seq_len, run_nlls(study, r, statuses[r.name].steps)) for r in finished if r.name in named}
+    runs = {r.name: (study.train_config(r).seq_len, run_nlls(study, r, statuses[r.name].steps, dirs[r.name])) for r in finished if r.name in named}
     if not runs:
         return
     datasets = sorted(set.intersection(*(set(nll) for _, nll in runs.values())))

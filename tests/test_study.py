@@ -1,6 +1,7 @@
 """fibjax.study / launch.study: run states, the study's record surviving a new machine, and one
 end-to-end study of two tiny runs (train, evaluate, report, rerun skips)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from fibjax.config import ConfigError
-from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_status, set_aside_restored, write_results
+from fibjax.study import RESTORED, Study, StudyError, StudyRun, format_status, restore_recorded, run_one, run_status, set_aside_restored, write_results
 from tests.helpers import ATTN, ROOT, TINY_RUN, rows_for
 from tests.tiers import slow
 
@@ -111,6 +112,14 @@ def test_retrain_sets_a_restored_run_aside_and_never_a_trained_one(tmp_path, cap
     assert aside == study.run_dir(dense).with_name("dense.restored") and (aside / RESTORED).exists()
     assert not study.run_dir(dense).exists() and run_status(study, dense).state == "to do"
     assert "training it again" in capsys.readouterr().out
+    # while it trains again, the report and the record keep the restored copy's figures
+    recorded = json.loads((Path(study.results) / "study.json").read_text())["runs"]["dense"]
+    study.run_dir(dense).mkdir(parents=True)
+    (study.run_dir(dense) / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 4.0, "tokens_per_s": 5000.0}) + "\n")
+    write_results(study)
+    kept = json.loads((Path(study.results) / "study.json").read_text())["runs"]["dense"]
+    assert kept["state"] == "done" and kept["evals"] == recorded["evals"] and kept["val_curve"] == recorded["val_curve"]
+    assert "| dense |" in (Path(study.results) / "report.md").read_text()
     finish(study, "fib", [32.0, 31.5, 31.2])  # trained here: left alone
     assert set_aside_restored(study, fib) is None and (study.run_dir(fib) / "eval").exists()
     broken = study.run_dir(dense)
@@ -118,6 +127,35 @@ def test_retrain_sets_a_restored_run_aside_and_never_a_trained_one(tmp_path, cap
     (broken / RESTORED).write_text("x")
     with pytest.raises(StudyError, match="both a RESTORED marker and checkpoints"):
         set_aside_restored(study, dense)
+
+
+def test_an_evaluation_added_to_a_restored_run_keeps_its_record_until_it_is_retrained(tmp_path):
+    """A study that adds an evaluation to a run it only has from the record: the run says it
+    needs ``--retrain``, refuses to evaluate a checkpoint it does not have, and the report and
+    the record keep what was recorded (nothing saved is lost by rewriting them)."""
+    study = make_study(tmp_path)
+    finish(study, "dense", [30.0, 45.0, 90.0])
+    finish(study, "fib", [32.0, 31.5, 31.2])
+    write_results(study)
+    results = Path(study.results)
+    import shutil
+
+    shutil.rmtree(study.workdir)
+    restore_recorded(study)
+    added = ("--lengths", "2048")
+    runs = (dataclasses.replace(study.runs[0], extra_evals=(added,)), *study.runs[1:])
+    grown = dataclasses.replace(study, runs=runs)
+    dense = grown.runs[0]
+    assert run_status(grown, dense).state == "to do"
+    assert "to do (restored without checkpoints: --retrain)" in format_status(grown, [run_status(grown, dense)])
+    with pytest.raises(StudyError, match="--retrain --only dense"):
+        run_one(grown, dense)
+    write_results(grown)
+    entry = json.loads((results / "study.json").read_text())["runs"]["dense"]
+    assert entry["state"] == "done" and list(entry["evals"]) == ["100.json"] and entry["evals_missing"] == ["100-study-lengths_2048.json"]
+    assert "| dense |" in (results / "report.md").read_text()
+    shutil.rmtree(grown.workdir)  # and a new machine still restores it from that record
+    assert restore_recorded(grown, say=lambda _m: None) == ["dense", "fib"]
 
 
 def test_a_runs_extra_evaluations_are_rows_of_the_report(tmp_path):

@@ -5,6 +5,7 @@ rungs bounded by the training length) with only the attention differing, trained
 (docs/guides/your-own-data.md "5. The papers' and the CPU study's data") for 2,000 steps x 4,096 tokens = 8.2M tokens, with validation
 curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens per dataset.
 Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
+Stage 4 trains dense, fixed W8 and stagger W8 again for 4x the tokens (8,000 steps, 32.8M).
 """
 
 from fibjax.eval.groups import FigureGroup
@@ -34,6 +35,11 @@ CURVE = ("eval.curve_multipliers=1,4", "eval.curve_long_tokens=8192")
 FULL = (("--inference-mode", "full"),)
 # The same 8.2M tokens at 512 (8 x 512 a step), evaluated at 512, 1,024 and 2,048
 AT_512 = ("seq_len=512", "global_batch=8", *CURVE)
+# Paper B's budget sweep: MoBA inference with 2-32 blocks of 16 at 1x and 4x (SSA improves as the
+# receptive field grows, MoBA does not)
+BUDGETS = tuple(("--inference-mode", "sparse", "--num-blocks", str(n), "--block-size", "16", "--lengths", "256,1024") for n in (2, 4, 8, 16, 32))
+# 4x the tokens: 8,000 steps = 32.8M tokens, the 4x curve every 500 steps (stage 1's recipe otherwise)
+TOKENS_4X = ("seed=44", "steps=8000", "checkpoint.every_steps=500", "eval.every_steps=500", *CURVE)
 # A dense model retrofitted with Fibonacci stagger attention: 300 steps from dense seed 44
 RETROFIT = ("init_from=runs/study/cpu/dense_seed44", "steps=300", "optim.warmup_steps=30", "checkpoint.every_steps=100", "eval.every_steps=50", *CURVE)
 
@@ -129,8 +135,8 @@ def get_study() -> Study:
             StudyRun("ssa_nsa", "configs/ssa/cpu_nsa.py", CURVE, stage=2, extra_evals=(*FULL, ERROR_LAW)),
             StudyRun("pow2_stagger_w8", "configs/cpu/pow2_stagger_w8.py", CURVE, stage=2),
             StudyRun("ssa_fullattn", "configs/ssa/cpu_fullattn.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
-            StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW,)),
-            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW)),
+            StudyRun("ssa_moba", "configs/ssa/cpu_moba.py", stage=2, extra_evals=(ERROR_LAW, *BUDGETS)),
+            StudyRun("ssa_ssa", "configs/ssa/cpu_ssa.py", stage=2, extra_evals=(*SPARSE, YARN_256, ERROR_LAW, *BUDGETS)),
             StudyRun("ssa_ssa_fib", "configs/ssa/cpu_ssa_fib.py", CURVE, stage=2, extra_evals=SPARSE),
             # the interpolation control at the five-seed test's seeds 44-46
             *(StudyRun(f"fib_frozen099_w8_seed{s}", FROZEN, (f"seed={s}",), stage=2, extra_evals=(LONG,)) for s in SEEDS),
@@ -139,5 +145,7 @@ def get_study() -> Study:
             # each evaluated at 1x-4x with and without YaRN (and SSA under sparse inference)
             StudyRun("ssa_fullattn_c1024", "configs/ssa/cpu_fullattn.py", continued("ssa_fullattn"), stage=3, extra_evals=(YARN_1024,)),
             StudyRun("ssa_ssa_c1024", "configs/ssa/cpu_ssa.py", continued("ssa_ssa"), stage=3, extra_evals=(*SPARSE, YARN_1024)),
+            # stage 4: 4x the tokens (32.8M) for dense, fixed W8 and stagger W8 at seed 44
+            *(StudyRun(f"{n}_32m_seed44", f"configs/cpu/{n}.py", TOKENS_4X, stage=4, extra_evals=(LONG,)) for n in ("dense", "fib_fixed_w8", "fib_stagger_w8")),
         ),
     )
