@@ -1,7 +1,7 @@
-"""The Pallas block-sparse kernels (interpret mode on CPU: forward, dq, dk/dv) against the
-loop-and-mask reference (tests/block_oracle.py), forward, lse and gradients; the dk/dv kernel's
-inverse map against a plain count, and its TPU layout (scalar prefetch) against its GPU one. Their
-lowering for GPU and TPU is in tests/test_pallas.py beside the offset kernels'.
+"""The Pallas block-sparse tile kernels (interpret mode on CPU: forward, backward) against the
+loop-and-mask reference (tests/block_oracle.py), forward, lse and gradients; the tile map's
+invariants against a plain count; padding rows masked; the TPU layout (scalar prefetch) against
+the GPU one. Their lowering for GPU and TPU is in tests/test_pallas.py beside the offset kernels'.
 
 Dyadic inputs (selections exact, ties included) and the oracle's per-dtype tolerances: output
 and lse fp32 2e-5, bf16 3e-2; gradients fp32 1e-4, bf16 8e-2. Each comparison is one program
@@ -15,17 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fibjax.attention.pallas import BlockSizes, block_bwd
+from fibjax.attention.pallas import BlockSizes, block_kernels, block_ops
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from tests import block_oracle as bo
 from tests.tiers import first_fast
 
 jit_o0 = functools.partial(jax.jit, compiler_options={"xla_backend_optimization_level": 0})
 
-# (batch, T, q heads, kv heads, head dim, block, S, rows per program, pairs per dk/dv tile): a
-# ragged tail over several programs with GQA (G = 3), MHA with S above the block count, one
-# program with G = 2, a sequence shorter than one block
-CASES = [(2, 45, 6, 2, 8, 4, 3, 16, 8), (1, 40, 2, 2, 4, 8, 9, 8, 4), (1, 64, 4, 2, 16, 8, 4, 64, 64), (1, 5, 2, 1, 4, 8, 2, 8, 8)]
+# (batch, T, q heads, kv heads, head dim, block, S, query rows per tile): a ragged tail with
+# G = 4 and blocks spread over several tiles, MHA (G = 1) with S above the block count, G = 2 with
+# one tile per block, G = 3, a sequence shorter than one block
+CASES = [(2, 45, 8, 2, 8, 4, 3, 8), (1, 40, 2, 2, 4, 8, 9, 8), (1, 64, 4, 2, 16, 8, 4, 64), (1, 30, 6, 2, 8, 4, 4, 4), (1, 5, 4, 2, 4, 8, 2, 8)]
 
 
 def _close(a, b, tol):
@@ -60,58 +60,108 @@ def _check_against_oracle(q, k, v, dtype, block, s, block_sizes):
 @pytest.mark.parametrize("dtype", first_fast([jnp.float32, jnp.bfloat16]))
 @pytest.mark.parametrize("case", first_fast(CASES))
 def test_kernel_matches_oracle_forward_and_backward(case, dtype):
-    b, t, h, kh, d, block, s, rows, pairs = case
+    b, t, h, kh, d, block, s, rows = case
     q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(0), b, t, h, kh, d, dtype)
-    _check_against_oracle(q, k, v, dtype, block, s, BlockSizes(rows, pairs))
+    _check_against_oracle(q, k, v, dtype, block, s, BlockSizes(rows, rows))
 
 
 @pytest.mark.parametrize("dtype", first_fast([jnp.float32, jnp.bfloat16]))
 def test_block_chosen_by_every_query_spans_many_tiles(dtype):
-    """Block 0's keys are all 3 and every q is positive, so every later query chooses block 0:
-    60 pairs of one block in tiles of 8 (dk/dv summed over 8 programs' partials)."""
-    t, block, pairs = 64, 4, 8
+    """Block 0's keys are all 3 and every q is positive, so every query chooses block 0: 64 pairs
+    of one block in tiles of 8 rows (dk/dv summed over 8 programs' partials, each query's output
+    merged over 3 tiles)."""
+    t, block, rows = 64, 4, 8
     q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(2), 1, t, 4, 2, 8, dtype)
     q, k = jnp.abs(q) + 0.125, k.at[:, :block].set(3)
-    chosen = _check_against_oracle(q, k, v, dtype, block, 3, BlockSizes(16, pairs))
-    assert np.all(chosen[0, :, :, 0].sum(axis=0) == t) and t > 4 * pairs
+    chosen = _check_against_oracle(q, k, v, dtype, block, 3, BlockSizes(rows, rows))
+    assert np.all(chosen[0, :, :, 0].sum(axis=0) == t) and t >= 8 * rows
 
 
-def test_inverse_map_holds_every_pair_once():
-    """``tiles_of`` against a plain count: each tile's first ``count`` rows are the queries that
-    chose its block (every (query, block) pair exactly once), the rest empty (T); blocks sorted."""
-    b, kh, t, s, n, r = 2, 2, 24, 3, 6, 4
+def test_tile_map_holds_every_pair_once_in_tiles_of_one_block():
+    """``tile_map`` against a plain count: every (query, chosen block) pair sits in exactly one
+    tile row of a tile of that block, the forward index points at it, the other rows are padding
+    (-1), at most R - 1 of them a block in the tiles a block fills; the tile count is the static
+    bound ceil(T S / R) + N; tiles are sorted by block; queries past the sequence take no pair."""
+    b, kh, t, s, n, r, seq_len = 2, 2, 24, 3, 6, 4, 22
     blocks = jax.random.randint(jax.random.PRNGKey(3), (b, kh, t, s), -1, n)
-    tiles = block_bwd.tiles_of(blocks, n, r)
-    rows = np.asarray(tiles.rows).reshape(b * kh, -1, r)
-    tile_blocks, counts = (np.asarray(x).reshape(b * kh, -1) for x in (tiles.blocks, tiles.counts))
+    tiles = block_ops.tile_map(blocks, n, r, seq_len)
+    x = tiles.rows.shape[2]
+    assert x == -(-t * s // r) + n and tiles.index.shape == blocks.shape
+    rows, index = np.asarray(tiles.rows).reshape(b * kh, x * r), np.asarray(tiles.index).reshape(b * kh, t, s)
+    tile_blocks = np.asarray(tiles.blocks).reshape(b * kh, x)
     for head, idx_TS in enumerate(np.asarray(blocks).reshape(b * kh, t, s)):
-        want = sorted((int(q), int(m)) for q, m in zip(*np.nonzero(idx_TS >= 0)[:1], idx_TS[idx_TS >= 0]))
-        got = sorted((int(q), int(m)) for x, m in enumerate(tile_blocks[head]) for q in rows[head, x, : counts[head, x]])
+        real = (idx_TS >= 0) & (np.arange(t) < seq_len)[:, None]
+        want = sorted((int(q), int(m)) for q, m in zip(np.nonzero(real)[0], idx_TS[real]))
+        got = sorted((int(rows[head, z]), int(tile_blocks[head, z // r])) for z in np.nonzero(rows[head] >= 0)[0])
         assert got == want
-        assert np.all(rows[head][np.arange(r)[None, :] >= counts[head][:, None]] == t)
-        assert np.all(np.diff(tile_blocks[head]) >= 0) and np.all(counts[head] <= r)
+        for q, slot in zip(*np.nonzero(real)):  # the forward index finds each pair's row
+            z = index[head, q, slot]
+            assert rows[head, z] == q and tile_blocks[head, z // r] == idx_TS[q, slot]
+        assert np.all(index[head][~real] == x * r)
+        assert np.all(np.diff(tile_blocks[head]) >= 0)
+        for m in range(n):
+            filled = np.unique(np.nonzero(rows[head] >= 0)[0] // r)
+            used = filled[tile_blocks[head, filled] == m]
+            count = sum(1 for _, mm in want if mm == m)
+            assert len(used) == -(-count // r)  # ceil(c / R) tiles: at most R - 1 padding rows
 
 
-def test_tpu_layout_matches_gpu_layout():
-    """The dk/dv kernel with its tile scalars scalar-prefetched and the K/V block chosen by the
-    index map (TPU) gives what it gives reading them as arrays and slicing whole K/V (GPU)."""
-    b, kh, g, t, d, block, n, r = 1, 2, 2, 16, 8, 4, 4, 4
-    ks = jax.random.split(jax.random.PRNGKey(4), 7)
-    q, do = (jax.random.normal(kk, (b, kh, g, t, d)) for kk in ks[:2])
-    k, v = (jax.random.normal(kk, (b, kh, t, d)) for kk in ks[2:4])
-    lse, delta = (jax.random.normal(kk, (b, kh, g, t)) for kk in ks[4:6])
+def _tile_inputs(seed=4, b=1, kh=2, g=2, t=16, d=8, block=4, r=4):
+    """A tile map of a random causal choice (own block first, then earlier blocks or -1) and random
+    per-row operands in its layout."""
+    n = t // block
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
     own = jnp.broadcast_to((jnp.arange(t) // block)[:, None], (b, kh, t, 1))
-    blocks = jnp.concatenate([own, jax.random.randint(ks[6], (b, kh, t, 2), -1, n)], axis=-1)
-    tiles = block_bwd.tiles_of(blocks, n, r)
-    call = functools.partial(block_bwd.dkdv_partials, q, k, v, do, lse, delta, tiles, block=block, backend="interpret", block_sizes=BlockSizes(8, r))
-    for tpu, gpu in zip(call(prefetch=True), call(prefetch=False)):
+    earlier = jax.random.randint(ks[0], (b, kh, t, 2), -1, n)
+    tiles = block_ops.tile_map(jnp.concatenate([own, jnp.where(earlier < own, earlier, -1)], axis=-1), n, r, t)
+    x = tiles.rows.shape[2]
+    pos = jnp.repeat(tiles.rows, g, axis=-1)[..., None]
+    q, do = (jax.random.normal(kk, (b, kh, x, r * g, d)) for kk in ks[1:3])
+    k, v = (jax.random.normal(kk, (b, kh, t, d)) for kk in ks[3:5])
+    lse, delta = (jax.random.normal(kk, pos.shape) for kk in ks[5:7])
+    return tiles, pos, q, k, v, do, lse, delta
+
+
+def test_padding_rows_are_masked_and_tpu_layout_matches_gpu_layout():
+    """Padding rows (position -1) give o = 0, lse = -inf, no dq and nothing in dk/dv; with the tile
+    blocks scalar-prefetched and the K/V block chosen by the index map (TPU) the kernels give what
+    they give reading the blocks as an array and slicing whole K/V (GPU)."""
+    tiles, pos, q, k, v, do, lse, delta = _tile_inputs()
+    kw = dict(block=4, backend="interpret", block_sizes=BlockSizes(4, 4))
+    pad = np.asarray(pos[..., 0]) < 0
+    assert pad.any() and (~pad).any()
+    for prefetch in (True, False):
+        o, lse_part = block_kernels.forward(tiles.blocks, pos, q, k, v, prefetch=prefetch, **kw)
+        assert np.all(np.asarray(o)[pad] == 0) and np.all(np.asarray(lse_part)[..., 0][pad] == -np.inf)
+        assert np.all(np.isfinite(np.asarray(lse_part)[..., 0][~pad]))
+        dq, dk, dv = block_kernels.backward(tiles.blocks, pos, q, k, v, do, lse, delta, prefetch=prefetch, **kw)
+        assert np.all(np.asarray(dq)[pad] == 0)
+        # the padding rows' q and do are random: had they leaked into dk / dv, these would differ
+        clean = block_kernels.backward(
+            tiles.blocks, pos, jnp.where(pad[..., None], 0.0, q), k, v, jnp.where(pad[..., None], 0.0, do), lse, delta, prefetch=prefetch, **kw
+        )
+        for got, want in zip((dk, dv), clean[1:]):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    for tpu, gpu in zip(
+        block_kernels.forward(tiles.blocks, pos, q, k, v, prefetch=True, **kw), block_kernels.forward(tiles.blocks, pos, q, k, v, prefetch=False, **kw)
+    ):
+        np.testing.assert_allclose(np.asarray(tpu), np.asarray(gpu), rtol=1e-6, atol=1e-6)
+    args = (tiles.blocks, pos, q, k, v, do, lse, delta)
+    for tpu, gpu in zip(block_kernels.backward(*args, prefetch=True, **kw), block_kernels.backward(*args, prefetch=False, **kw)):
         assert np.any(np.asarray(gpu) != 0)
         np.testing.assert_allclose(np.asarray(tpu), np.asarray(gpu), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
     ("backend", "heads", "head_dim", "block", "problem"),
-    [("triton", 6, 8, 16, "heads per KV head"), ("triton", 4, 12, 16, "head_dim"), ("triton", 4, 8, 12, "block_size"), ("mosaic_tpu", 4, 8, 12, "block_size")],
+    [
+        ("triton", 6, 16, 16, "heads per KV head"),
+        ("triton", 4, 12, 16, "head_dim"),
+        ("triton", 4, 16, 12, "block_size"),
+        ("triton", 4, 8, 16, "head_dim >= 16"),
+        ("triton", 4, 16, 8, "block_size >= 16"),
+        ("mosaic_tpu", 4, 8, 12, "block_size"),
+    ],
 )
 def test_shapes_a_compiler_rejects_are_named(backend, heads, head_dim, block, problem):
     q, k, v = bo.dyadic_qkv(jax.random.PRNGKey(0), 1, 64, heads, 2, head_dim)

@@ -9,6 +9,7 @@ included. Outputs, lse and gradients use the same per-dtype tolerances as the ot
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fibjax.attention import block_sparse_attention, dense_attention
-from fibjax.attention.block_sparse import block_sparse_attention_xla, dropped_mass, select_blocks
+from fibjax.attention.block_sparse import _chosen_blocks, block_sparse_attention_xla, dropped_mass, select_blocks
 from tests import block_oracle as bo
 from tests.tiers import slow
 
@@ -119,6 +120,27 @@ def test_query_chunks_change_nothing():
             _close(a, r, bo.TOL[jnp.float32])
         for a, r in zip(_grads(q, k, v, w, block_size=4, num_blocks=3, query_chunk=chunk), _grads(q, k, v, w, block_size=4, num_blocks=3)):
             _close(a, r, bo.GRAD_TOL[jnp.float32])
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value a jaxpr (and the jaxprs inside it: map, scan, cond) makes."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        most = max([most, *(int(np.prod(v.aval.shape)) for v in eqn.outvars)])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            most = max(most, _largest_intermediate(sub))
+    return most
+
+
+def test_the_choice_never_holds_the_whole_score_matrix():
+    """The choice (``_chosen_blocks``, which both the XLA and the Pallas path run) scores a chunk of
+    256 queries at a time: at 4,096 queries and 256 blocks no value it makes is a quarter of the
+    [T, T/B] scores (one chunk's are 1/16)."""
+    t, block = 4096, 16
+    q, k = jnp.zeros((1, t, 1, 8)), jnp.zeros((1, t, 1, 8))
+    choose = functools.partial(_chosen_blocks, block=block, top=15, rule="mean_key", chunk=256)
+    jaxpr = jax.make_jaxpr(lambda q, k: choose(q, k, None))(q, k).jaxpr
+    assert _largest_intermediate(jaxpr) < t * (t // block) // 4
 
 
 def test_one_block_is_own_block_only():

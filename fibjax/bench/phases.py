@@ -5,12 +5,13 @@ same functions, so the phases are the path, not a copy of it), each jitted and t
 the previous stages' outputs:
 
 * forward: **selection** (block scores and top-k, ``block_sparse._chosen_blocks``), **layout**
-  (the index metadata and the operands in the attention's layout), **attention**, **merge** (the
-  outputs back to [B, T, H, D]);
-* backward of the Pallas path: **layout** (delta, the inverse map of the dk/dv tiles), **dq**,
-  **dk/dv** (the two kernels), **merge** (the tiles' partials summed per block, back to [B, T, K,
-  D]); of the XLA path: **attention**, its one scan (``block_grouped.backward``), whose layout
-  is the forward's.
+  (the index metadata and the operands in the attention's layout: for the Pallas path the tile
+  map and each tile's gathered query rows), **attention**, **merge** (the outputs back to [B, T,
+  H, D]; for the Pallas path the LSE merge of each query's partials);
+* backward of the Pallas path: **layout** (delta; q, do, lse and delta gathered into the
+  forward's tiles), **attention** (the one backward kernel: dq rows, dk/dv partials), **merge**
+  (dq rows summed per query, dk/dv partials per block); of the XLA path: **attention**, its one
+  scan (``block_grouped.backward``). Both reuse the forward's layout (the Pallas path its tile map).
 
 Beside them, each pass whole: the forward as the bench times it, the backward as ``jax.vjp``'s
 function on the forward's residuals. ``sum / whole`` near 1 says the cut lost nothing; above 1,
@@ -79,19 +80,18 @@ def _xla(case: Case) -> tuple[list[Stage], list[Stage]]:
 def _pallas(case: Case) -> tuple[list[Stage], list[Stage]]:
     """``block_sparse_pallas``: ``block_ops``' layout -> kernels -> merge, both passes."""
     spec = block_ops._Spec(case.sparse_block, case.seq_len, case.block_sizes.fit(case.seq_len), be.resolve(None))
-    kernel_operands = ("qk", "kk", "vk", "blocks")
+    tiled = ("tiles", "pos", "qt", "kk", "vk")
     forward = [
         _selection(case),
-        Stage("layout", lambda *a: block_ops.fwd_layout(spec, *a), ("q", "k", "v", "idx"), kernel_operands),
-        Stage("attention", lambda *a: block_ops.fwd_kernels(spec, *a), kernel_operands, ("ok", "lsek"), _products(case, 1)),
-        Stage("merge", lambda *a: block_ops.fwd_merge(spec, *a), ("ok", "lsek"), ("out", "lse_out")),
+        Stage("layout", lambda *a: block_ops.fwd_layout(spec, *a), ("q", "k", "v", "idx"), ("tiles", "qh", "kk", "vk", "pos", "qt")),
+        Stage("attention", lambda *a: block_ops.fwd_kernels(spec, *a), tiled, ("ok", "lsek"), _products(case, 1)),
+        Stage("merge", lambda tiles, o, lse, q: block_ops.fwd_merge(spec, tiles, o, lse, q.dtype), ("tiles", "ok", "lsek", "q"), ("out", "lse_out")),
     ]
-    residuals = (*kernel_operands, "out", "lsek")
+    residuals = ("tiles", "qh", "kk", "vk", "pos", "out", "lse_out")
     backward = [
-        Stage("layout", lambda *a: block_ops.bwd_layout(spec, a[:6], a[6:]), (*residuals, "do", "dlse"), ("args", "tiles")),
-        Stage("dq", lambda *a: block_ops.bwd_dq(spec, *a), ("args", "tiles"), ("dq_k",), _products(case, 1)),
-        Stage("dk/dv", lambda *a: block_ops.bwd_dkdv(spec, *a), ("args", "tiles"), ("parts",), _products(case, 1)),
-        Stage("merge", lambda dq, parts, tiles, k: block_ops.bwd_merge(spec, dq, parts, tiles, k.dtype), ("dq_k", "parts", "tiles", "k"), ("dq", "dk", "dv")),
+        Stage("layout", lambda *a: block_ops.bwd_layout(spec, a[:7], a[7:]), (*residuals, "do", "dlse"), ("args",)),
+        Stage("attention", lambda args: block_ops.bwd_kernels(spec, *args), ("args",), ("parts",), _products(case, 2)),
+        Stage("merge", lambda tiles, parts, q, k: block_ops.bwd_merge(spec, tiles, parts, q.dtype, k.dtype), ("tiles", "parts", "q", "k"), ("dq", "dk", "dv")),
     ]
     return forward, backward
 

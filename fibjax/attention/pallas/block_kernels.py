@@ -1,20 +1,33 @@
-"""The Pallas row-walk kernels of block-sparse attention: forward and dq, each query row walking its S blocks.
+"""The Pallas tile kernels of block-sparse attention: one program per tile of queries that chose one key block.
 
-A query chooses its own blocks (``block_sparse``), so two rows of a program rarely read the same
-key block: the kernels walk one row at a time, and for each of the row's S slots read the
-block's J keys and values as a dynamic slice of the (batch, KV head)'s keys, all G query heads
-of the KV head at once (GQA). The forward folds the block into the row's online softmax; dq
-recomputes p = exp(s - lse) from the forward's lse and adds ds k (flash attention's backward,
-one row). A slot's block index is a scalar the kernel reads (on TPU from SMEM, the way
-scalar-prefetched indices are read). The own block (slot 0) is masked causally (key <= t); an
-empty slot (-1) is skipped. dk/dv walk the same pairs the other way: ``block_bwd``.
+Before the kernels run, the map from queries to blocks is inverted (``block_ops.tile_map``): the
+(query, block) pairs of a (batch, KV head) sorted by block and cut into tiles of R query rows
+that all chose the same block n. A program owns one tile: its R rows times the G query heads of
+the KV group, stacked (row r G + g), against the block's J keys. So the products are real tiles
+for a GPU's tensor cores, s = q k^T [R G, J] and p v [R G, D], with float32 accumulation and
+bf16 operands kept bf16. The causal rule is the same for every tile: query t sees key j of
+block n iff t >= n J + j, which is false only in the query's own block. Padding rows carry
+t = -1 and see nothing.
 
-Layout (``block_ops`` builds it; T padded to a multiple of the row block C):
-q, do      [B, K, G, T, D]   queries grouped under their KV head
-k, v       [B, K, T, D]
-blocks     [B, K, T, S]      int32, each query's blocks (slot 0 its own; -1 empty)
-lse, delta [B, K, G, T]      float32 (delta = rowsum(do * o) - d lse)
-out: o, dq [B, K, G, T, D] in q's dtype, lse [B, K, G, T] float32.
+* forward (``forward``): each row's softmax over this block alone, (o normalised [R G, D]
+  float32, lse [R G, 1]; a row that sees nothing gets o = 0 and lse = -inf). ``block_ops``
+  merges a query's S partials by their lse.
+* backward (``backward``), one kernel: p = exp(s - lse) from the merged lse, ds = p (do v^T -
+  delta). It writes the tile's dq rows ds k, which XLA sums per query through the forward index,
+  and the block's dk = ds^T q and dv = p^T do, which XLA sums per block. Every program writes
+  only its own outputs: there are no atomics, and programs may run in any order.
+
+A tile's block index is data. On TPU it is scalar-prefetched, and the K/V index map copies only
+that J x D block in (splash attention's pattern). Triton has no scalar prefetch, so there (and
+in the interpreter, unless ``prefetch``) the kernel reads the index from an array and slices its
+block out of the (batch, KV head)'s whole K/V.
+
+Layout (``block_ops`` builds it; X tiles per (batch, KV head)):
+q, do       [B, K, X, R G, D]  each tile's query rows, gathered in XLA
+pos         [B, K, X, R G, 1]  int32, each row's query position (-1: padding)
+lse, delta  [B, K, X, R G, 1]  float32 (delta = rowsum(do * out) - d lse)
+k, v        [B, K, T, D]       T in whole blocks
+blocks      [B K X]            int32, each tile's key block
 """
 
 from __future__ import annotations
@@ -24,138 +37,95 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from fibjax.attention.pallas import backend as be
-
-F32 = jnp.float32
-
-
-def row_of(ref, t, group: int):
-    """Row t of a [G, T, D] ref as [G, D] float32, or of a [G, T] ref as [G]."""
-    if len(ref.shape) == 2:
-        return ref[:, pl.ds(t, 1)].reshape(group).astype(F32)
-    return ref[:, pl.ds(t, 1), :].reshape(group, ref.shape[-1]).astype(F32)
+from fibjax.attention.pallas.kernels import F32, _dot
 
 
-def dots(x_GD, y_JD):
-    """[G, J] = x y^T as a multiply-reduce (a [G, D] x [D, J] product too small for a matmul unit)."""
-    return jnp.sum(x_GD[:, None, :] * y_JD[None, :, :], axis=-1)
+def _block(blocks_ref, k_ref, v_ref, *, block: int, whole_kv: bool):
+    """(n, K rows [J, D], V rows [J, D]) of this program's tile."""
+    tile = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * pl.num_programs(2) + pl.program_id(2)
+    n = blocks_ref[tile]
+    start = n * block if whole_kv else 0  # with prefetch the index map already chose the block
+    return n, k_ref[pl.ds(start, block), :], v_ref[pl.ds(start, block), :]
 
 
-def block_keys(k_ref, v_ref, start, block: int):
-    """K and V rows [start, start + J) in float32."""
-    return k_ref[pl.ds(start, block), :].astype(F32), v_ref[pl.ds(start, block), :].astype(F32)
+def _visible(pos_ref, n, block: int):
+    """[R G, J]: the row's query t sees key n J + j (t >= n J + j; padding rows have t = -1)."""
+    rows = pos_ref.shape[0]
+    return pos_ref[...] >= n * block + jax.lax.broadcasted_iota(jnp.int32, (rows, block), 1)
 
 
-def _slot_visible(n, t, block: int):
-    """[1, J]: slot block n (-1: empty) holds key n J + j visible to query t (its start, clamped)."""
-    start = jnp.maximum(n, 0) * block
-    key_J = start + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-    return start, ((n >= 0) & (key_J <= t))[None, :]
+def _forward_kernel(blocks_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block: int, scale: float, whole_kv: bool):
+    n, k_JD, v_JD = _block(blocks_ref, k_ref, v_ref, block=block, whole_kv=whole_kv)
+    s_LJ = jnp.where(_visible(pos_ref, n, block), _dot(q_ref[...], k_JD, (1, 1)) * scale, -jnp.inf)
+    m_L1 = jnp.max(s_LJ, axis=1, keepdims=True)
+    seen_L1 = m_L1 > -jnp.inf
+    p_LJ = jnp.exp(s_LJ - jnp.where(seen_L1, m_L1, 0.0))  # a row that sees nothing: exp(-inf) = 0, never inf - inf
+    l_L1 = jnp.where(seen_L1, jnp.sum(p_LJ, axis=1, keepdims=True), 1.0)
+    o_ref[...] = _dot(p_LJ.astype(v_JD.dtype), v_JD) / l_L1
+    lse_ref[...] = jnp.where(seen_L1, m_L1 + jnp.log(l_L1), -jnp.inf)
 
 
-def _forward_kernel(blocks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block: int, slots: int, scale: float):
-    group, rows, d = q_ref.shape
-    i0 = pl.program_id(2) * rows
-
-    def row(r, carry):
-        t = i0 + r
-        q_GD = row_of(q_ref, r, group) * scale
-
-        def slot(s, state):
-            m_G, l_G, acc_GD = state
-            start, visible_1J = _slot_visible(blocks_ref[r, s], t, block)
-            k_JD, v_JD = block_keys(k_ref, v_ref, start, block)
-            s_GJ = jnp.where(visible_1J, dots(q_GD, k_JD), -jnp.inf)
-            new_m_G = jnp.maximum(m_G, jnp.max(s_GJ, axis=-1))
-            safe_m_G = jnp.where(new_m_G == -jnp.inf, 0.0, new_m_G)  # nothing seen yet: avoid inf - inf
-            p_GJ = jnp.exp(s_GJ - safe_m_G[:, None])
-            corr_G = jnp.exp(m_G - safe_m_G)
-            acc_GD = acc_GD * corr_G[:, None] + jnp.sum(p_GJ[:, :, None] * v_JD[None, :, :], axis=1)
-            return new_m_G, l_G * corr_G + jnp.sum(p_GJ, axis=-1), acc_GD
-
-        init = (jnp.full((group,), -jnp.inf, F32), jnp.zeros((group,), F32), jnp.zeros((group, d), F32))
-        m_G, l_G, acc_GD = jax.lax.fori_loop(0, slots, slot, init)
-        nonempty_G = l_G > 0
-        safe_l_G = jnp.where(nonempty_G, l_G, 1.0)
-        o_ref[:, pl.ds(r, 1), :] = (acc_GD / safe_l_G[:, None]).reshape(group, 1, d).astype(o_ref.dtype)
-        lse_ref[:, pl.ds(r, 1)] = jnp.where(nonempty_G, m_G + jnp.log(safe_l_G), -jnp.inf).reshape(group, 1)
-        return carry
-
-    jax.lax.fori_loop(0, rows, row, 0)
+def _backward_kernel(blocks_ref, pos_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, *, block: int, scale: float, whole_kv: bool):
+    n, k_JD, v_JD = _block(blocks_ref, k_ref, v_ref, block=block, whole_kv=whole_kv)
+    q_LD, do_LD = q_ref[...], do_ref[...]
+    # select, never multiply: a padding row's lse is -inf, and exp(s - lse) would be inf
+    p_LJ = jnp.where(_visible(pos_ref, n, block), jnp.exp(_dot(q_LD, k_JD, (1, 1)) * scale - lse_ref[...]), 0.0)
+    ds_LJ = p_LJ * (_dot(do_LD, v_JD, (1, 1)) - delta_ref[...])
+    dq_ref[...] = _dot(ds_LJ.astype(k_JD.dtype), k_JD) * scale
+    dk_ref[...] = _dot(ds_LJ.astype(q_LD.dtype), q_LD, (0, 0)) * scale
+    dv_ref[...] = _dot(p_LJ.astype(do_LD.dtype), do_LD, (0, 0))
 
 
-def _dq_kernel(blocks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, block: int, slots: int, scale: float):
-    group, rows, d = q_ref.shape
-    i0 = pl.program_id(2) * rows
+def _call(kernel, name: str, q, k, blocks, tiled, outs, *, block: int, backend: str, block_sizes: be.BlockSizes, prefetch: bool | None):
+    """A ``pallas_call`` over the grid (B, K, X): ``tiled`` operands [B,K,X,...] one tile a program,
+    k and v by block, ``outs`` (shapes [B,K,X,...], float32) one tile a program."""
+    b, kh, x = q.shape[:3]
+    t, d = k.shape[2:]
+    prefetch = backend == "mosaic_tpu" if prefetch is None else prefetch
 
-    def row(r, carry):
-        t = i0 + r
-        q_GD, do_GD = row_of(q_ref, r, group) * scale, row_of(do_ref, r, group)
-        lse_G1, delta_G1 = row_of(lse_ref, r, group)[:, None], row_of(delta_ref, r, group)[:, None]
+    def tile(a):
+        return pl.BlockSpec((None, None, None, *a.shape[3:]), lambda b, h, i, *_: (b, h, i) + (0,) * (len(a.shape) - 3))
 
-        def slot(s, dq_GD):
-            start, visible_1J = _slot_visible(blocks_ref[r, s], t, block)
-            k_JD, v_JD = block_keys(k_ref, v_ref, start, block)
-            # select, never multiply: a row with no key has lse = -inf and exp(s - lse) = inf
-            p_GJ = jnp.where(visible_1J, jnp.exp(dots(q_GD, k_JD) - lse_G1), 0.0)
-            ds_GJ = p_GJ * (dots(do_GD, v_JD) - delta_G1)
-            return dq_GD + jnp.sum(ds_GJ[:, :, None] * k_JD[None, :, :], axis=1)
-
-        dq_GD = jax.lax.fori_loop(0, slots, slot, jnp.zeros((group, d), F32))
-        dq_ref[:, pl.ds(r, 1), :] = (dq_GD * scale).reshape(group, 1, d).astype(dq_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, rows, row, 0)
-
-
-def _row_specs(q, blocks, backend: str, rows: int):
-    """(blocks, query rows, whole K/V, lse rows) BlockSpecs of a grid (B, K, T / rows)."""
-    _, _, g, t, d = q.shape
-    s = blocks.shape[-1]
-    # the kernel reads a row's block indices as scalars: SMEM on TPU
-    smem = dict(memory_space=pltpu.SMEM) if backend == "mosaic_tpu" else {}
-    return (
-        pl.BlockSpec((None, None, rows, s), lambda b, h, i: (b, h, i, 0), **smem),
-        pl.BlockSpec((None, None, g, rows, d), lambda b, h, i: (b, h, 0, i, 0)),
-        pl.BlockSpec((None, None, t, d), lambda b, h, i: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, g, rows), lambda b, h, i: (b, h, 0, i)),
+    if prefetch:  # index maps get the prefetched blocks after the grid indices
+        kv_spec = pl.BlockSpec((None, None, block, d), lambda b, h, i, blocks: (b, h, blocks[(b * kh + h) * x + i], 0))
+        scalar_specs = []
+    else:
+        kv_spec, scalar_specs = pl.BlockSpec((None, None, t, d), lambda b, h, i, *_: (b, h, 0, 0)), [be.scalar_spec(backend)]
+    pos, q_tiles, *rest = tiled
+    kernel = functools.partial(kernel, block=block, scale=d**-0.5, whole_kv=not prefetch)
+    return be.call(
+        kernel,
+        backend=backend,
+        block_sizes=block_sizes,
+        grid=(b, kh, x),
+        in_specs=[*scalar_specs, tile(pos), tile(q_tiles), kv_spec, kv_spec, *map(tile, rest)],
+        out_specs=[tile(jax.ShapeDtypeStruct(s, F32)) for s in outs],
+        out_shape=[jax.ShapeDtypeStruct(s, F32) for s in outs],
+        name=name,
+        scalar_prefetch=1 if prefetch else 0,
     )
 
 
-def forward(q, k, v, blocks, *, block: int, backend: str, block_sizes: be.BlockSizes):
-    """o [B,K,G,T,D] (q's dtype), lse [B,K,G,T] float32 of q [B,K,G,T,D] (unscaled), k/v [B,K,T,D],
-    blocks [B,K,T,S] int32; T a multiple of ``block_sizes.block_q`` (query rows per program)."""
-    b, kh, g, t, d = q.shape
-    rows = block_sizes.block_q
-    blocks_spec, row_spec, whole_kv, lse_spec = _row_specs(q, blocks, backend, rows)
-    kernel = functools.partial(_forward_kernel, block=block, slots=blocks.shape[-1], scale=d**-0.5)
-    return be.call(
-        kernel,
-        backend=backend,
-        block_sizes=block_sizes,
-        grid=(b, kh, t // rows),
-        in_specs=[blocks_spec, row_spec, whole_kv, whole_kv],
-        out_specs=[row_spec, lse_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, kh, g, t), F32)],
-        name="block_sparse_attention_fwd",
-    )(blocks, q, k, v)
+def forward(blocks, pos, q, k, v, *, block: int, backend: str, block_sizes: be.BlockSizes, prefetch: bool | None = None):
+    """Each tile row's partial (o [B,K,X,R G,D], lse [B,K,X,R G,1]) float32 over its tile's block.
+    ``prefetch``: the tile blocks by scalar prefetch and the K/V block by index map (default: on
+    TPU only; the interpreter runs both ways)."""
+    outs = (q.shape, (*q.shape[:4], 1))
+    call = _call(
+        _forward_kernel, "block_sparse_attention_fwd", q, k, blocks, (pos, q), outs, block=block, backend=backend, block_sizes=block_sizes, prefetch=prefetch
+    )
+    return call(blocks, pos, q, k, v)
 
 
-def dq(q, k, v, do, lse, delta, blocks, *, block: int, backend: str, block_sizes: be.BlockSizes):
-    """dq [B,K,G,T,D] in q's dtype: ``forward``'s layout, do like q, lse and delta [B,K,G,T] float32."""
-    b, kh, _, t, d = q.shape
-    rows = block_sizes.block_q
-    blocks_spec, row_spec, whole_kv, lse_spec = _row_specs(q, blocks, backend, rows)
-    kernel = functools.partial(_dq_kernel, block=block, slots=blocks.shape[-1], scale=d**-0.5)
-    return be.call(
-        kernel,
-        backend=backend,
-        block_sizes=block_sizes,
-        grid=(b, kh, t // rows),
-        in_specs=[blocks_spec, row_spec, whole_kv, whole_kv, row_spec, lse_spec, lse_spec],
-        out_specs=row_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        name="block_sparse_attention_dq",
-    )(blocks, q, k, v, do, lse, delta)
+def backward(blocks, pos, q, k, v, do, lse, delta, *, block: int, backend: str, block_sizes: be.BlockSizes, prefetch: bool | None = None):
+    """Each tile's (dq rows [B,K,X,R G,D], dk [B,K,X,J,D], dv [B,K,X,J,D]) float32, ``forward``'s
+    layout; do like q, lse and delta like pos."""
+    d = q.shape[-1]
+    outs = (q.shape, (*q.shape[:3], block, d), (*q.shape[:3], block, d))
+    tiled = (pos, q, do, lse, delta)
+    call = _call(
+        _backward_kernel, "block_sparse_attention_bwd", q, k, blocks, tiled, outs, block=block, backend=backend, block_sizes=block_sizes, prefetch=prefetch
+    )
+    return call(blocks, pos, q, k, v, do, lse, delta)
