@@ -71,9 +71,13 @@ def test_a_signal_while_compiling_stops_the_run_within_seconds_with_exit_3(tmp_p
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# process 1 fails first (status 9); process 0 ends 20 ms later (status 2), within one 0.2 s poll
+# process 1 fails first (status 9); process 0 ends (status 2) as soon as the script has recorded
+# process 1's end (its order file, under TMPDIR), well within one 0.2 s poll. Waiting for the
+# record, not a fixed head start (20 ms once lost to a loaded machine), keeps the order certain.
 while (($#)); do [[ $1 == --process-id ]] && id=$2; shift; done
-if ((id == 1)); then sleep 0.5; exit 9; else sleep 0.52; exit 2; fi
+if ((id == 1)); then sleep 0.3; exit 9; fi
+until grep -qs "^1 " "$TMPDIR"/local_multiprocess.*; do sleep 0.005; done
+exit 2
 """
 
 
@@ -83,7 +87,7 @@ def test_local_multiprocess_reports_the_first_process_to_end_and_exits_with_its_
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(fake), "PORT": "1"}
+    env = {**os.environ, "PYTHON": str(fake), "PORT": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "local_multiprocess.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     ended = [line for line in proc.stdout.splitlines() if "exited with status" in line]
     assert proc.returncode == 9 and len(ended) == 2 and "process 1 " in ended[0], proc.stdout
