@@ -37,12 +37,15 @@ def test_the_stages_in_order_are_the_path(path):
 
 @pytest.mark.parametrize("path", first_fast(phases.PHASE_PATHS))
 def test_the_phases_add_up_to_the_whole_pass(path):
-    """Median of 3 rounds; the bound is loose because each stage is its own program (its outputs
-    written and read back), which the whole fuses; on a shared CPU the two sides seldom differ by 2x."""
+    """Median of 3 rounds. The bound is loose: each stage is its own program (its outputs written
+    and read back), which the whole fuses, and at these millisecond sizes a loaded 2-core machine
+    has put the two sides 2.6x apart (XLA backward, 2.2 / 5.8 ms). It still catches the main
+    stage (the attention: 40-100% of a pass) left out of the phases, or the phases timing
+    another, much larger program."""
     case = Case(seq_len=256, heads=4, kv_heads=2, head_dim=32, sparse_block=16, sparse_blocks=4, block_sizes=BlockSizes(64, 64))
     res = phases.run(case, [path], repeats=3, rounds=3)
     for pass_ in ("fwd", "bwd"):
-        assert 0.4 < phases.sum_over_whole(res, path, pass_) < 2.5, phases.table(case, res)
+        assert 0.25 < phases.sum_over_whole(res, path, pass_) < 4, phases.table(case, res)
 
 
 def test_the_bench_prints_the_phases_beside_rates_and_the_reference(capsys):
