@@ -33,6 +33,7 @@ from fibjax.config import ConfigError, TrainConfig, apply_overrides, find_config
 from fibjax.errors import FibjaxError
 from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
+from fibjax.eval.token_curve import TokenCurve
 from fibjax.eval.trend import Trend
 from fibjax.run.curves import curve_values
 
@@ -68,13 +69,20 @@ class Study:
     # the report's perplexity-vs-length and NLL-by-position figures, one per group of runs
     # (``fibjax.eval.groups.FigureGroup``); none: one figure of every run
     figures: tuple[FigureGroup, ...] = ()
+    # runs followed against tokens seen, with differences between them (``fibjax.eval.token_curve``)
+    token_curves: tuple[TokenCurve, ...] = ()
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"study {self.name}: run names must be unique, repeated: {dup}")
-        for what, named in (("trends", {n for t in self.trends for n in t.runs}), ("figures", {n for g in self.figures for n in g.runs})):
+        declared = (
+            ("trends", {n for t in self.trends for n in t.runs}),
+            ("figures", {n for g in self.figures for n in g.runs}),
+            ("token_curves", {n for c in self.token_curves for n in c.runs}),
+        )
+        for what, named in declared:
             unknown = sorted(named - set(names))
             if unknown:
                 raise ConfigError(f"study {self.name}: {what} name runs it does not have: {unknown}")
@@ -495,6 +503,8 @@ def write_results(study: Study, say=print) -> Path | None:
         _write_paired(study, finished, statuses, dirs, out)
     if study.trends:
         _write_trend(study, finished, statuses, dirs, out)
+    for curve in study.token_curves:
+        _write_token_curve(study, curve, statuses, dirs, out)
     say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
     return path
 
@@ -581,5 +591,28 @@ def _write_trend(study: Study, finished: list[StudyRun], statuses: dict[str, Run
     section = "\n## Extrapolation against the training length\n\n" + trend.markdown(pts, datasets) + "\n"
     if plots.plot_length_trend(pts, out / "length_trend.png"):
         section += "\n![length trend](length_trend.png)\n"
+    with (out / "report.md").open("a") as f:
+        f.write(section)
+
+
+def _write_token_curve(study: Study, curve: TokenCurve, statuses: dict[str, RunStatus], dirs: dict[str, Path], out: Path) -> None:
+    """token_curve_NAME.csv / .png and the report's section on ``curve``: finished runs from where
+    the report reads them, a run still training from its directory up to its last point."""
+    from fibjax.eval import token_curve
+
+    metrics, states = {}, {}
+    for name in curve.runs:
+        s = statuses[name]
+        run_dir = dirs.get(name) or study.run_dir(s.run)
+        if rows := _metrics(run_dir):
+            metrics[name] = rows
+            states[name] = "done" if name in dirs else f"training, step {s.step} of {s.steps}"
+    run_pts, diff_pts = token_curve.points(curve, metrics)
+    if not run_pts:
+        return
+    token_curve.write_csv(curve, run_pts, diff_pts, states, out / f"token_curve_{curve.name}.csv")
+    section = f"\n## Against tokens seen: {curve.title}\n\n" + token_curve.markdown(curve, run_pts, diff_pts, states) + "\n"
+    if (figure := token_curve.plot(curve, run_pts, diff_pts, out / f"token_curve_{curve.name}.png")) is not None:
+        section += f"\n![against tokens seen]({figure.name})\n"
     with (out / "report.md").open("a") as f:
         f.write(section)

@@ -10,6 +10,7 @@ Stage 4 trains dense, fixed W8 and stagger W8 again for 4x the tokens (8,000 ste
 
 from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
+from fibjax.eval.token_curve import Difference, TokenCurve
 from fibjax.eval.trend import Trend
 from fibjax.study import Study, StudyRun
 
@@ -109,6 +110,19 @@ def get_study() -> Study:
                 "paper_b", "paper B's models at 256 tokens", ("ssa_fullattn", "ssa_moba", "ssa_ssa", "ssa_nsa", "ssa_ssa_fib"), reference="ssa_fullattn"
             ),
             FigureGroup("paper_b_1024", "paper B's models continued to 1,024 tokens", ("ssa_fullattn_c1024", "ssa_ssa_c1024"), reference="ssa_fullattn_c1024"),
+        ),
+        # issue 39: stage 4's runs against tokens seen (dense seed 44 of 8.2M tokens beside them:
+        # the same seed and data order, a schedule four times shorter)
+        token_curves=(
+            TokenCurve(
+                "tokens_32m",
+                "dense, fixed W8 and stagger W8 for 32.8M tokens (seed 44)",
+                ("dense_32m_seed44", "fib_fixed_w8_32m_seed44", "fib_stagger_w8_32m_seed44", "dense_seed44"),
+                differences=(
+                    Difference("stagger - fixed", "fib_stagger_w8_32m_seed44", "fib_fixed_w8_32m_seed44"),
+                    Difference("stagger - dense", "fib_stagger_w8_32m_seed44", "dense_32m_seed44"),
+                ),
+            ),
         ),
         runs=(
             # stage 1: the headline claims, with a second seed for the noise
