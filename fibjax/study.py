@@ -322,6 +322,7 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
             f"{run.name} was restored from {study.results}/study.json without checkpoints and still needs an evaluation "
             f"(one added to the study since it was trained); `--retrain --only {run.name}` trains it again here"
         )
+    _count_killed_session(run_dir, lock)
     lock.write_text(str(os.getpid()))
     try:
         if not (run_dir / "eval" / f"{cfg.steps}.json").exists():
@@ -352,6 +353,15 @@ def run_one(study: Study, run: StudyRun, say=print) -> None:
                 raise StudyError(f"{run.name}: evaluation {' '.join(args)} failed (exit {code}); see {log}")
     finally:
         lock.unlink(missing_ok=True)
+
+
+def _count_killed_session(run_dir: Path, lock: Path) -> None:
+    """A lock left by a killed study (SIGKILL, the machine's session ending) means its training
+    time was never added: add it, from the lock's writing to the run's last write of its metrics,
+    so ``train_s`` covers every session of a resumed run, not only the last."""
+    metrics = run_dir / "metrics.jsonl"
+    if lock.exists() and metrics.exists():
+        _add_time(run_dir, "train_s", max(0.0, metrics.stat().st_mtime - lock.stat().st_mtime))
 
 
 def _add_time(run_dir: Path, key: str, seconds: float) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,32 @@ def test_retrain_sets_a_restored_run_aside_and_never_a_trained_one(tmp_path, cap
     (broken / RESTORED).write_text("x")
     with pytest.raises(StudyError, match="both a RESTORED marker and checkpoints"):
         set_aside_restored(study, dense)
+
+
+def test_a_killed_study_s_training_time_is_counted_when_the_run_is_taken_up_again(tmp_path):
+    """A study killed outright (SIGKILL, a machine's session ending) never added that session's
+    training time, so a resumed run's ``train_s`` held only its last session (1 h 32 min for a
+    2 h 23 min run). The stale lock it leaves dates the session's start and the metrics its last
+    step: the next study adds that span once, and nothing for a lock older than the metrics."""
+    study = make_study(tmp_path)
+    dense = study.runs[0]
+    run_dir = finish(study, "dense", [30.0, 45.0, 90.0])  # trained to the end; only the time is missing
+    (run_dir / "study_time.json").write_text(json.dumps({"train_s": 1000.0}))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    lock = study.lock(dense)
+    lock.write_text(dead)
+    now = time.time()
+    os.utime(lock, (now - 100, now - 100))
+    os.utime(run_dir / "metrics.jsonl", (now - 40, now - 40))
+    run_one(study, dense, say=lambda _m: None)
+    timing = json.loads((run_dir / "study_time.json").read_text())
+    assert timing["train_s"] == pytest.approx(1060.0, abs=0.2) and not lock.exists()
+    run_one(study, dense, say=lambda _m: None)  # no stale lock: nothing added again
+    assert json.loads((run_dir / "study_time.json").read_text())["train_s"] == pytest.approx(1060.0, abs=0.2)
+    lock.write_text(dead)  # killed while evaluating, after its metrics' last write: no training time
+    os.utime(lock, (now - 10, now - 10))
+    run_one(study, dense, say=lambda _m: None)
+    assert json.loads((run_dir / "study_time.json").read_text())["train_s"] == pytest.approx(1060.0, abs=0.2)
 
 
 def test_an_evaluation_added_to_a_restored_run_keeps_its_record_until_it_is_retrained(tmp_path):
