@@ -35,7 +35,7 @@ from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
 from fibjax.eval.token_curve import TokenCurve
 from fibjax.eval.trend import Trend
-from fibjax.run.curves import curve_values
+from fibjax.run.curves import METRICS_FILE, curve_values
 
 # Tokens per second assumed for a run when the study has measured none: dense_seed43 trained at
 # 2.66k tokens/s on an idle 2-core machine (BUILD_NOTES, "The CPU study").
@@ -170,7 +170,7 @@ def _lock_pid(lock: Path) -> int | None:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     rows = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -359,7 +359,7 @@ def _count_killed_session(run_dir: Path, lock: Path) -> None:
     """A lock left by a killed study (SIGKILL, the machine's session ending) means its training
     time was never added: add it, from the lock's writing to the run's last write of its metrics,
     so ``train_s`` covers every session of a resumed run, not only the last."""
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if lock.exists() and metrics.exists():
         _add_time(run_dir, "train_s", max(0.0, metrics.stat().st_mtime - lock.stat().st_mtime))
 
@@ -418,7 +418,7 @@ def restore_recorded(study: Study, say=print) -> list[str]:
         for file_name, report in entry["evals"].items():
             (run_dir / "eval" / Path(file_name).name).write_text(json.dumps(report, indent=1) + "\n")
         rows = sorted(entry.get("train_curve", []) + entry.get("val_curve", []), key=lambda r: r["step"])
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
         timing = {k: entry[k] for k in ("train_s", "eval_s", "tokens_per_s") if entry.get(k) is not None}
         if timing:
             (run_dir / TIMING).write_text(json.dumps(timing) + "\n")

@@ -25,6 +25,7 @@ from pathlib import Path
 from fibjax import kinds
 from fibjax.attention import alpha as alpha_lib
 from fibjax.errors import FibjaxError
+from fibjax.run.curves import METRICS_FILE
 
 _EVAL_NAME = re.compile(r"^(\d+)(?:-(.+))?\.json$")
 _REQUIRED = ("run", "step", "train_seq_len", "lengths", "attention", "alphas", "datasets")
@@ -148,7 +149,7 @@ def load_eval(path: Path) -> dict:
 
 
 def load_metrics(workdir: Path) -> list[dict]:
-    path = workdir / "metrics.jsonl"
+    path = workdir / METRICS_FILE
     if not path.exists():
         return []
     rows = []

@@ -7,6 +7,9 @@ A validation row holds ``val/<source>`` (the NLL at the training length) and, wi
 
 from __future__ import annotations
 
+# The file a run's metrics rows are appended to, under its workdir.
+METRICS_FILE = "metrics.jsonl"
+
 
 def curve_key(multiplier: int, source: str) -> str:
     """The key of ``source``'s validation NLL at ``multiplier`` x the training length."""

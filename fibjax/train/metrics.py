@@ -20,9 +20,8 @@ from pathlib import Path
 import jax
 
 from fibjax.errors import FibjaxError
-from fibjax.run.curves import curve_values
+from fibjax.run.curves import METRICS_FILE, curve_values
 
-METRICS_FILE = "metrics.jsonl"
 # A validation NLL this far above its best is overfitting, not noise: the curve scores the same
 # held-out windows every time, so it moves only with the weights.
 RISE_NATS = 0.02
