@@ -121,6 +121,7 @@ def get_study() -> Study:
                 differences=(
                     Difference("stagger - fixed", "fib_stagger_w8_32m_seed44", "fib_fixed_w8_32m_seed44"),
                     Difference("stagger - dense", "fib_stagger_w8_32m_seed44", "dense_32m_seed44"),
+                    Difference("fixed - dense", "fib_fixed_w8_32m_seed44", "dense_32m_seed44"),
                 ),
             ),
         ),
