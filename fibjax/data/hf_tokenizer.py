@@ -10,13 +10,13 @@ from pathlib import Path
 import tokenizers
 
 from fibjax.data.special_tokens import read_side_settings, resolve
-from fibjax.data.tokenizer import HF_FILE, Tokenizer, TokenizerError
+from fibjax.data.tokenizer_base import HF_FILE, Tokenizer, TokenizerError
 
 # a text the post-processor wraps like any other, to see which special tokens it adds
 _PROBE = "a"
 
 
-class HFTokenizer(Tokenizer):
+class HFTokenizer(Tokenizer, suffix=".json"):
     file_name = HF_FILE
 
     def __init__(self, file_bytes: bytes, source: str = "<memory>", side: dict | None = None):

@@ -16,7 +16,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from fibjax.data.special_tokens import read_side_settings, resolve
-from fibjax.data.tokenizer import SENTENCEPIECE_FILE, Tokenizer, TokenizerError
+from fibjax.data.tokenizer_base import SENTENCEPIECE_FILE, Tokenizer, TokenizerError
 
 # 256 byte-fallback pieces + <unk> + </s>; every other piece is a character or a merge.
 NUM_RESERVED_PIECES = 258
@@ -25,7 +25,7 @@ NUM_RESERVED_PIECES = 258
 _MAX_TRAIN_LINE_BYTES = 8192
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(Tokenizer, suffix=".model"):
     """A SentencePiece model. Its own BOS, when it has one, begins every document: a model with a
     BOS piece was trained with it in front (transformers' Llama tokenizers default to
     add_bos_token); the ones fibjax trains have none."""

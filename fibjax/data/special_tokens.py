@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from fibjax.data.tokenizer import TOKENIZER_CONFIG, SpecialTokens, TokenizerError
+from fibjax.data.tokenizer_base import TOKENIZER_CONFIG, SpecialTokens, TokenizerError
 
 # where BOS and EOS are looked for, in order: (file, key); add_bos only in tokenizer_config.json
 _TOKEN_PLACES = (
