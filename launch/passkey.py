@@ -1,9 +1,12 @@
 """Passkey retrieval of a run: ``python -m launch.passkey --workdir RUN [--step S]
-[--lengths 256,512,1024] [--depths 0,0.25,0.5,0.75,1] [--trials 5] [--seed 0] [--out DIR]
-[--attention key=value ...]``.
+[--lengths 256,512,1024] [--depths 0,0.25,0.5,0.75,1 | --distances 16,64,200] [--trials 5]
+[--seed 0] [--out DIR] [--attention key=value ...]``.
 
 Writes passkey.json / .csv / .md / .png to DIR (default RUN/eval/passkey-<step>[-<override>])
-and prints the Markdown table. ``--attention`` evaluates the weights under another attention,
+and prints the Markdown table. ``--distances`` places the needle that many filler tokens before
+the question instead of at a depth (retrieval by distance: what a window of W keys cannot
+reach). ``--write-documents FILE.jsonl [--documents 6000]`` writes the synthetic pass-key
+training corpus instead (for ``launch.prepare_data --source passkey=FILE.jsonl``). ``--attention`` evaluates the weights under another attention,
 as in ``launch.eval``. On a pod, run the same command on every host, as for ``launch.eval``: the
 prompts are split over every device of the job, and process 0 writes the outputs.
 """
@@ -21,17 +24,26 @@ from launch._streams import survive_closed_pipes
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m launch.passkey", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/) of the model to test")
+    parser.add_argument("--workdir", help="run directory (config.json, checkpoints/) of the model to test")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--lengths", type=comma_list(int, minimum=1, noun="length"), default=[256, 512, 1024], help="context lengths in tokens")
     parser.add_argument("--depths", type=comma_list(float), default=[0.0, 0.25, 0.5, 0.75, 1.0], help="needle depths in [0, 1]")
+    parser.add_argument(
+        "--distances", type=comma_list(int, minimum=0, noun="distance"), default=None, help="filler tokens between needle and question (instead of --depths)"
+    )
     parser.add_argument("--trials", type=int, default=5, help="keys per (length, depth) cell")
     parser.add_argument("--seed", type=int, default=0, help="draws the keys and the filler (the same seed, the same prompts)")
     parser.add_argument("--batch-size", type=int, default=None, help="prompts per forward pass (default: --trials)")
     parser.add_argument("--out", default=None, help="output directory")
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
+    parser.add_argument("--write-documents", metavar="FILE", default=None, help="write the synthetic pass-key training corpus (JSON Lines) and exit")
+    parser.add_argument("--documents", type=int, default=6000, help="documents for --write-documents")
     processes.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.write_documents:
+        return write_documents(args.write_documents, args.documents, args.seed)
+    if not args.workdir:
+        parser.error("--workdir is required (or --write-documents FILE)")
     processes.apply(parser, args)  # before anything initialises JAX
 
     from fibjax import distributed
@@ -54,7 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         # a learned run's alphas compiled as constants (the static path's cost), as launch.eval does
         params, model_cfg = runner.frozen_alphas(params, model_cfg)
         result = passkey.passkey_grid(
-            model_cfg, params, tokenizer, args.lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size, mesh=runner.eval_mesh(run.cfg)
+            model_cfg,
+            params,
+            tokenizer,
+            args.lengths,
+            args.depths,
+            args.trials,
+            args.seed,
+            distances=args.distances,
+            batch_size=args.batch_size,
+            mesh=runner.eval_mesh(run.cfg),
         )
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -71,6 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     if distributed.is_main():  # one table per job, not per process
         print(passkey.format_markdown(result))
         print(f"written: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def write_documents(path: str, count: int, seed: int) -> int:
+    """The synthetic pass-key corpus as JSON Lines ({"text": ...} a line), written whole or not at all."""
+    import json
+    import os
+
+    from fibjax.errors import FibjaxError
+    from fibjax.eval import passkey
+
+    try:
+        documents = passkey.training_documents(count, seed)
+    except FibjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(path)
+    if out.parent and not out.parent.is_dir():
+        print(f"error: --write-documents {path}: the folder {out.parent} does not exist", file=sys.stderr)
+        return 2
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    tmp.replace(out)
+    print(f"wrote {count:,} pass-key documents to {out} (seed {seed})")
     return 0
 
 

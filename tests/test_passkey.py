@@ -151,3 +151,46 @@ def test_an_eight_device_mesh_gives_the_answers_of_one_device(tok):
     eight = passkey.passkey_grid(cfg, params, tok, **grid, mesh=make_mesh(MeshConfig(data=4, fsdp=2, tensor=1), jax.devices()[:8]))
     assert [c["answers"] for c in eight["cells"]] == [c["answers"] for c in one["cells"]]
     assert eight["token_accuracy"] == one["token_accuracy"]
+
+
+@pytest.mark.parametrize("distance", [0, 9, 40, 150])
+def test_a_needle_placed_by_distance_sits_that_far_before_the_question(tok, distance):
+    sentence = max(len(tok.encode(s)) for s in passkey.FILLER)
+    for phase in range(len(passkey.FILLER)):
+        p = passkey.build_prompt(tok, 257, 0.3, "48213", phase, distance=distance)
+        needle = tok.encode(passkey.NEEDLE.format(key="48213"))
+        assert len(p.tokens) == 258 and list(p.tokens[p.needle_start : p.needle_start + len(needle)]) == needle
+        assert abs(p.distance - distance) <= sentence // 2 + 1  # the nearest sentence start
+        # the filler after the needle is exactly p.distance tokens, then the question
+        question, answer = passkey._answer_tokens(tok, "48213")
+        assert p.needle_start + len(needle) + p.distance + len(question) == p.answer_start
+    with pytest.raises(EvalError, match="does not fit in a prompt of 100 tokens"):
+        passkey.build_prompt(tok, 100, 0.0, "48213", distance=500)
+
+
+def test_a_distance_grid_leaves_out_what_does_not_fit_and_the_oracle_reads_every_cell(tok):
+    result = passkey.passkey_grid(None, None, tok, [100, 257], [], trials=3, seed=1, distances=[10, 150], predict_fn=retrieval_oracle(tok))
+    assert result["placed_by"] == "distance" and result["distances"] == [10, 150]
+    assert result["accuracy"] == [[1.0, 1.0], [None, 1.0]]  # 150 filler tokens do not fit in 100
+    md = passkey.format_markdown(result)
+    assert "| distance (tokens) \\ length | 100 | 257 |" in md and "| 150 | - | 100 |" in md
+    # draws keyed by distance, not by depth: the same cell gives the same keys, another cell others
+    keys = {(c["length"], c["distance"]): c["keys"] for c in result["cells"]}
+    assert keys[(257, 10)] != keys[(257, 150)]
+    again = passkey.passkey_grid(None, None, tok, [257], [], trials=3, seed=1, distances=[150], predict_fn=retrieval_oracle(tok))
+    assert again["cells"][0]["keys"] == keys[(257, 150)]
+    with pytest.raises(EvalError, match="no distance of"):
+        passkey.passkey_grid(None, None, tok, [100], [], trials=1, distances=[500], predict_fn=retrieval_oracle(tok))
+
+
+def test_training_documents_hold_one_needle_and_end_on_its_key(tmp_path):
+    docs = passkey.training_documents(50, seed=3)
+    assert docs == passkey.training_documents(50, seed=3) and docs != passkey.training_documents(50, seed=4)
+    for doc in docs:
+        key = re.search(r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", doc).group(1)
+        assert doc.endswith(f"{passkey.QUESTION} {key}.") and doc.count(key) == 3
+        assert 8 <= sum(doc.count(s) for s in passkey.FILLER) <= 60
+    out = tmp_path / "docs.jsonl"
+    assert passkey_cli.main(["--write-documents", str(out), "--documents", "7"]) == 0
+    assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == passkey.training_documents(7, seed=0)
+    assert passkey_cli.main(["--write-documents", str(tmp_path / "missing" / "d.jsonl")]) == 2
