@@ -12,19 +12,32 @@ named by model.safetensors.index.json) and tokenizer.json or tokenizer.model: Ll
 
 Evaluation and training text must be prepared with the model's own tokenizer:
 ``python -m launch.prepare_data --out DIR --tokenizer MODEL_DIR --source NAME=FILES``.
-An architecture fibjax cannot compute exactly, a missing or truncated shard, a tensor whose shape
-or dtype disagrees with config.json, a missing tokenizer or a non-empty --workdir is one error
-line, and nothing is written. Nothing from MODEL_DIR is executed (no remote code, no pickles).
-Guide: docs/guides/hugging-face.md.
+An architecture fibjax cannot compute exactly, a config.json field missing or of the wrong type,
+a safetensors file that is truncated or not laid out as the format says, a tensor whose shape or
+dtype disagrees with config.json, NaN or infinite weights, a tied model that stores another
+lm_head, a missing tokenizer or a non-empty --workdir is one error line (exit 2), and nothing is
+written: the run is written under a temporary name beside --workdir and renamed into place when
+complete, so SIGTERM or Ctrl-C (exit 3) leaves no run either. Nothing from MODEL_DIR is executed
+(no remote code, no pickles). Guide: docs/guides/hugging-face.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
 from launch._args import Parser
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT during the import: raised where Python was, so that the import removes
+    its temporary directory on the way out (a BaseException: no ``except Exception`` keeps it)."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,17 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.hf import import_model
 
     start = time.perf_counter()
+    handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         cfg = import_model(args.model_dir, args.workdir, seq_len=args.seq_len, dtype=args.dtype)
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        print(f"stopped by {e} before the import finished: nothing was written to {args.workdir}; run the same command to import it", file=sys.stderr)
+        return 3
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     m = cfg.model
+    dtypes = f"{m.param_dtype} parameters, {m.dtype} compute" if m.dtype != m.param_dtype else f"{m.dtype} parameters and compute"
+    attention = "" if m.attention.kind == "dense" else f", {m.attention.kind} attention (fibjax_attention in config.json)"
     print(
         f"imported {args.model_dir} into {args.workdir} in {time.perf_counter() - start:.1f} s: {m.num_layers} layers, d_model {m.d_model}, "
-        f"{m.num_heads} heads / {m.num_kv_heads} KV, vocab {m.vocab_size}, {m.param_dtype}, RoPE theta {m.rope_theta:g}"
+        f"{m.num_heads} heads / {m.num_kv_heads} KV, vocab {m.vocab_size}, {dtypes}, RoPE theta {m.rope_theta:g}"
         + (f" ({m.rope_scaling} x{m.rope_factor:g})" if m.rope_scaling != "none" else "")
-        + f"; training length {cfg.seq_len}"
+        + f"{attention}; training length {cfg.seq_len}"
     )
     prepare = f"python -m launch.prepare_data --out data/NAME --tokenizer {args.model_dir} --source NAME=FILES"
     print(f"next: {prepare}, then python -m launch.eval --workdir {args.workdir} --data NAME=data/NAME")

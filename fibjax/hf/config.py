@@ -2,17 +2,20 @@
 
 Only JSON is read: nothing from a model directory is ever imported or executed. Every field that
 changes the function is mapped (sizes, GQA, head dim, RoPE theta and scaling, norm epsilon, q/k/v
-biases, tied embeddings); a field fibjax cannot represent exactly is refused by name
-(:class:`UnsupportedModel`), before anything is written. Both layouts of RoPE are read:
-``rope_theta`` + ``rope_scaling`` (transformers 4) and ``rope_parameters`` (transformers 5).
+biases, tied embeddings), and the attention a fibjax export recorded (``fibjax_attention``); a
+field fibjax cannot represent exactly is refused by name (:class:`UnsupportedModel`), before
+anything is written, and so is a field the import reads that is missing or of the wrong type
+(``FIELDS``). Both layouts of RoPE are read: ``rope_theta`` + ``rope_scaling`` (transformers 4)
+and ``rope_parameters`` (transformers 5), ``rope_type: default`` meaning no scaling in both.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from fibjax.config import ModelConfig
+from fibjax.config import AttentionConfig, ConfigError, ModelConfig, from_dict
 from fibjax.errors import FibjaxError
 
 # model_type -> whether its attention has q/k/v biases (Qwen2's do, always)
@@ -37,34 +40,110 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+_KINDS = {
+    "int": (_positive_int, "a positive integer"),
+    "number": (_positive_number, "a positive number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "object": (lambda v: isinstance(v, dict), "a JSON object"),
+    "names": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+# every config.json field the import reads: (kind, required). null counts as absent (transformers
+# writes null for "not set"); an absent optional field takes transformers' default
+FIELDS = {
+    "vocab_size": ("int", True),
+    "hidden_size": ("int", True),
+    "intermediate_size": ("int", True),
+    "num_hidden_layers": ("int", True),
+    "num_attention_heads": ("int", True),
+    "num_key_value_heads": ("int", False),
+    "head_dim": ("int", False),
+    "max_position_embeddings": ("int", False),
+    "rms_norm_eps": ("number", False),
+    "rope_theta": ("number", False),
+    "tie_word_embeddings": ("bool", False),
+    "use_sliding_window": ("bool", False),
+    "rope_scaling": ("object", False),
+    "rope_parameters": ("object", False),
+    "layer_types": ("names", False),
+    "fibjax_attention": ("object", False),
+}
+# the fields of each RoPE scaling type, inside rope_scaling (or rope_parameters)
+ROPE_FIELDS = {
+    "linear": {"factor": "number"},
+    "llama3": {"factor": "number", "original_max_position_embeddings": "int", "low_freq_factor": "number", "high_freq_factor": "number"},
+}
+
+
+def _check(where: dict, name: str, kind: str, required: bool, prefix: str = "") -> None:
+    ok, what = _KINDS[kind]
+    value = where.get(name)
+    if value is None:
+        if required:
+            raise UnsupportedModel(f"config.json: the field '{prefix}{name}' is missing ({what}; the import needs it)")
+    elif not ok(value):
+        raise UnsupportedModel(f"config.json: {prefix}{name}={value!r} is not {what}")
+
+
+def check_fields(hf: dict) -> None:
+    """Every field the import reads is present where required and of its type; UnsupportedModel
+    naming the first that is not."""
+    for name, (kind, required) in FIELDS.items():
+        _check(hf, name, kind, required)
+    params = hf.get("rope_parameters") or {}
+    _check(params, "rope_theta", "number", False, "rope_parameters.")
+
+
 def rope_of(hf: dict) -> tuple[float, dict]:
-    """(theta, the scaling dict or {}) from either config layout."""
+    """(theta, the scaling dict or {}) from either config layout; ``rope_type: default`` (no
+    scaling, as transformers writes it) is {} in both."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if scaling.get("rope_type", "default") == "default":
-            scaling = {}
-        return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), scaling
-    return float(hf.get("rope_theta", 10000.0)), dict(hf.get("rope_scaling") or {})
+    if params:
+        theta, scaling = params.get("rope_theta", hf.get("rope_theta")), {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = hf.get("rope_theta"), dict(hf.get("rope_scaling") or {})
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = {}
+    return float(10000.0 if theta is None else theta), scaling
 
 
 def _rope_fields(hf: dict) -> dict:
     theta, scaling = rope_of(hf)
-    rope_type = scaling.get("rope_type", scaling.get("type"))
     if not scaling:
         return {"rope_theta": theta}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type not in ROPE_FIELDS:
+        raise UnsupportedModel(f"config.json: rope_scaling type {rope_type!r} is not supported (supported: none, linear, llama3)")
+    for name, kind in ROPE_FIELDS[rope_type].items():
+        _check(scaling, name, kind, True, "rope_scaling.")
     if rope_type == "linear":
         return {"rope_theta": theta, "rope_scaling": "linear", "rope_factor": float(scaling["factor"])}
-    if rope_type == "llama3":
-        return {
-            "rope_theta": theta,
-            "rope_scaling": "llama3",
-            "rope_factor": float(scaling["factor"]),
-            "rope_original_len": int(scaling["original_max_position_embeddings"]),
-            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
-            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
-        }
-    raise UnsupportedModel(f"config.json: rope_scaling type {rope_type!r} is not supported (supported: none, linear, llama3)")
+    return {
+        "rope_theta": theta,
+        "rope_scaling": "llama3",
+        "rope_factor": float(scaling["factor"]),
+        "rope_original_len": scaling["original_max_position_embeddings"],
+        "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+        "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+    }
+
+
+def attention_of(hf: dict) -> AttentionConfig:
+    """The attention a fibjax export recorded in ``fibjax_attention`` (an exported Fibonacci model
+    imports as one), else dense. Its ``ssa`` flag says how the weights were trained, not what
+    the model computes, so it is not part of the model."""
+    fields = {k: v for k, v in (hf.get("fibjax_attention") or {}).items() if k != "ssa"}
+    try:
+        return from_dict(AttentionConfig, fields, "fibjax_attention")
+    except ConfigError as e:
+        raise UnsupportedModel(f"config.json: {e}; remove fibjax_attention to import the weights as a dense model") from None
 
 
 def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
@@ -78,28 +157,29 @@ def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32")
             raise UnsupportedModel(f"config.json: {name}={hf[name]!r} is not supported (fibjax's layers need {value!r})")
     if hf.get("sliding_window") is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
         raise UnsupportedModel(f"config.json: sliding_window={hf['sliding_window']} (sliding-window attention) is not supported: only full attention")
+    check_fields(hf)
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         raise UnsupportedModel(f"config.json: layer_types {sorted(set(hf['layer_types']))} is not supported; only full_attention layers")
-    heads = int(hf["num_attention_heads"])
-    d_model = int(hf["hidden_size"])
+    heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     try:
         return ModelConfig(
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=hf["vocab_size"],
             d_model=d_model,
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=hf["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or d_model // heads),
-            mlp_hidden=int(hf["intermediate_size"]),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or d_model // heads,
+            mlp_hidden=hf["intermediate_size"],
+            norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
             qkv_bias=FAMILY[model_type],
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention=attention_of(hf),
             dtype=dtype,
             param_dtype=param_dtype,
             **_rope_fields(hf),
         )
-    except KeyError as e:
-        raise UnsupportedModel(f"config.json: the field {e.args[0]!r} is missing") from None
+    except ConfigError as e:
+        raise UnsupportedModel(f"config.json describes no model fibjax can build: {e}") from None
 
 
 def hf_config(cfg: ModelConfig, model_type: str, max_position_embeddings: int, extra: dict | None = None) -> dict:

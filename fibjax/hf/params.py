@@ -4,7 +4,8 @@ Import maps each tensor of the checkpoint (``safetensors.TensorRef.map``: no byt
 builds its ``jax.Array`` with ``jax.make_array_from_callback``, which asks for each device's
 slice of the (transposed) map under the parameter's ``NamedSharding``: only those slices are read
 and converted, one tensor at a time, so host memory holds the placed model and one tensor's
-slices, never the model twice.
+slices, never the model twice. Each slice is checked as it is read: a NaN or infinity is refused
+naming its tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 from fibjax import sharding
 from fibjax.config import ModelConfig
 from fibjax.hf import safetensors
+from fibjax.hf.config import UnsupportedModel
 from fibjax.hf.weights import Tensor, hf_shape, tensors
 
 
@@ -40,6 +42,23 @@ def _set(tree: dict, path: tuple, value) -> None:
     tree[path[-1]] = value
 
 
+def unfilled(cfg: ModelConfig, abstract: nnx.State | None = None) -> list[str]:
+    """The parameters of a model of ``cfg`` that no Hugging Face tensor fills (a learned alpha,
+    NSA's gates: the attention's own), as "a/b/c" paths; [] for every model an import can build."""
+    filled = {t.path for t in tensors(cfg)}
+    flat = nnx.to_flat_state(abstract if abstract is not None else abstract_params(cfg))
+    return ["/".join(str(k) for k in path) for path, _ in flat if tuple(path) not in filled]
+
+
+def _finite(t: Tensor, chunk: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``chunk`` in ``dtype``, refused if it holds a NaN or an infinity: every later command would
+    call the run's own checkpoint damaged, so the import names the tensor instead."""
+    bad = int(np.count_nonzero(~np.isfinite(chunk)))
+    if bad:
+        raise UnsupportedModel(f"tensor {t.hf_name!r} holds {bad:,} NaN or infinite value(s): the checkpoint is damaged (fibjax imports finite weights only)")
+    return chunk.astype(dtype, copy=False)
+
+
 def place(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef], mesh: Mesh) -> dict:
     """The parameters (pure dict of jax.Arrays in ``cfg.param_dtype``) of a dense model of ``cfg``
     from the checked tensors ``refs`` (``weights.check``), each sharded on ``mesh`` by its logical axes."""
@@ -52,14 +71,14 @@ def place(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef], mesh: Mesh) 
         view = refs[t.hf_name].map()
         view = view.T if t.transposed else view
         assert _get(wanted, t.path) == t.shape, (t, _get(wanted, t.path))
-        array = jax.make_array_from_callback(t.shape, _get(shardings, t.path), lambda idx, view=view: np.asarray(view[idx]).astype(dtype, copy=False))
+        array = jax.make_array_from_callback(t.shape, _get(shardings, t.path), lambda idx, view=view, t=t: _finite(t, np.asarray(view[idx]), dtype))
         _set(params, t.path, array)
         del view  # the map is closed once the last slice is read
-    filled = {path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
-    shapes = jax.tree_util.tree_flatten_with_path(wanted, is_leaf=lambda x: isinstance(x, tuple))[0]
-    missing = [path for path, _ in shapes if path not in filled]
+    missing = unfilled(cfg, abstract)
     if missing:
-        raise ValueError(f"fibjax's model has parameters no Hugging Face tensor fills: {missing[:3]} (only dense models import)")
+        raise UnsupportedModel(
+            f"fibjax's model has parameters no Hugging Face tensor fills, e.g. {missing[0]} (only models without parameters of their own attention import)"
+        )
     return params
 
 

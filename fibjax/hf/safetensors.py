@@ -62,8 +62,44 @@ class TensorRef:
         return np.memmap(self.file, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
 
 
+def _int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _tensor(path: Path, name: str, info, base: int) -> tuple[TensorRef, int, int]:
+    """(the tensor, begin, end) of one header entry, its fields checked as the reference reader does."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise SafetensorsError(f"{where}: its entry {info!r} lacks dtype, shape or data_offsets")
+    if info["dtype"] not in DTYPES:
+        raise SafetensorsError(f"{where}: dtype {info['dtype']!r} is not one fibjax reads ({', '.join(DTYPES)})")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_int(n) for n in shape):
+        raise SafetensorsError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_int(n) for n in offsets):
+        raise SafetensorsError(f"{where}: data_offsets {offsets!r} are not two non-negative integers")
+    begin, end = offsets
+    if end < begin:
+        raise SafetensorsError(f"{where}: data_offsets {offsets} end before they begin")
+    ref = TensorRef(path, DTYPES[info["dtype"]], tuple(shape), base + begin)
+    if end - begin != ref.nbytes:
+        raise SafetensorsError(f"{where} takes {end - begin} bytes; its shape {tuple(shape)} {info['dtype']} needs {ref.nbytes}")
+    return ref, begin, end
+
+
 def read_header(path: Path) -> dict[str, TensorRef]:
-    """Every tensor of ``path``, checked against the file's size (a truncated file is an error)."""
+    """Every tensor of ``path``, checked as strictly as the ``safetensors`` library checks a file:
+    the header a JSON object of known dtypes and integer shapes and offsets, each tensor's byte
+    count its shape's, the tensors laid end to end from the first data byte to the last (no
+    overlap, no gap, no byte outside the file), ``__metadata__`` a map of strings. A failure is
+    one SafetensorsError naming the file and the tensor."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -72,27 +108,32 @@ def read_header(path: Path) -> dict[str, TensorRef]:
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
             if length is None or not 0 < length <= min(MAX_HEADER, size - 8):
                 raise SafetensorsError(f"{path} is not a safetensors file (bad header length; truncated?)")
-            header = json.loads(f.read(length))
+            header = json.loads(f.read(length).decode("utf-8"), object_pairs_hook=_object)
     except FileNotFoundError:
         raise SafetensorsError(f"{path} is missing") from None
     except (OSError, ValueError) as e:
         raise SafetensorsError(f"{path} is not a readable safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: the header is a JSON {type(header).__name__}, not the object of tensors a safetensors file holds")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SafetensorsError(f"{path}: __metadata__ {metadata!r} is not a map of strings")
     base = 8 + length
-    refs = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = DTYPES[info["dtype"]], tuple(int(n) for n in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{path}: tensor {name!r} has an unsupported or malformed entry {info}") from None
-        ref = TensorRef(path, dtype, shape, base + int(begin))
-        if int(end) - int(begin) != ref.nbytes:
-            raise SafetensorsError(f"{path}: tensor {name!r} takes {int(end) - int(begin)} bytes, its shape {shape} {info['dtype']} needs {ref.nbytes}")
-        if base + int(end) > size:
-            raise SafetensorsError(f"{path} is truncated: tensor {name!r} ends at byte {base + int(end):,}, the file has {size:,}")
-        refs[name] = ref
-    return refs
+    placed = sorted((_tensor(path, name, info, base) + (name,) for name, info in header.items()), key=lambda t: (t[1], t[2]))
+    reached, last = 0, None
+    for _, begin, end, name in placed:
+        if begin != reached:
+            if begin < reached:
+                how = f"overlaps {last!r}"
+            else:
+                how = f"leaves bytes {reached:,}..{begin:,} unclaimed after {last!r}" if last else f"begins at {begin:,}, not 0"
+            raise SafetensorsError(f"{path}: tensor {name!r} (data_offsets [{begin}, {end}]) {how}: the tensors must lie end to end")
+        reached, last = end, name
+    if base + reached != size:
+        which = f"after tensor {last!r}" if last else "with no tensors"
+        state = "is truncated" if base + reached > size else f"has {size - base - reached:,} bytes no tensor claims"
+        raise SafetensorsError(f"{path} {state}: the data ends at byte {base + reached:,} {which}, the file has {size:,}")
+    return {name: ref for ref, _, _, name in placed}
 
 
 def write(path: Path, tensors: Iterable[tuple[str, np.dtype, tuple[int, ...], Callable[[], np.ndarray]]], metadata: dict[str, str] | None = None) -> None:

@@ -24,6 +24,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # buffers some checkpoints carry that are recomputed from the config, not parameters
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# how much of each table ``check_tied`` compares at a time
+TIE_CHUNK_BYTES = 64 * 2**20
 
 _LAYER = {
     "input_layernorm.weight": (("attn_norm", "scale"), False),
@@ -97,13 +99,21 @@ def index(model_dir: Path) -> dict[str, safetensors.TensorRef]:
     refs: dict[str, safetensors.TensorRef] = {}
     for name in files:
         try:
-            refs.update(safetensors.read_header(model_dir / name))
+            shard = safetensors.read_header(model_dir / name)
         except safetensors.SafetensorsError as e:
             raise UnsupportedModel(str(e)) from None
+        twice = sorted(shard.keys() & refs.keys())
+        if twice:
+            raise UnsupportedModel(f"tensor {twice[0]!r} is stored twice, in {refs[twice[0]].file.name} and {name}: which one is the model's is unknowable")
+        refs.update(shard)
     if weight_map is not None:
         missing = sorted(n for n, f in weight_map.items() if n not in refs)
         if missing:
             raise UnsupportedModel(f"{model_dir / INDEX_FILE} names {len(missing)} tensor(s) its shards lack, e.g. {missing[0]!r}")
+        moved = sorted(n for n, f in weight_map.items() if refs[n].file.name != f)
+        if moved:
+            n = moved[0]
+            raise UnsupportedModel(f"{model_dir / INDEX_FILE} puts tensor {n!r} in {weight_map[n]}, but it is in {refs[n].file.name}")
     return refs
 
 
@@ -116,7 +126,7 @@ def check(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef]) -> np.dtype:
             raise UnsupportedModel(f"the checkpoint lacks tensor {name!r}, which config.json implies")
         if refs[name].shape != hf_shape(t):
             raise UnsupportedModel(f"tensor {name!r} has shape {refs[name].shape}; config.json implies {hf_shape(t)}")
-    tied_copy = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints store the table twice
+    tied_copy = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied checkpoints store the table twice (check_tied)
     extra = sorted(n for n in refs if n not in expected and n not in tied_copy and not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise UnsupportedModel(f"the checkpoint has {len(extra)} tensor(s) fibjax's model lacks, e.g. {extra[0]!r}: another architecture than config.json says")
@@ -127,3 +137,25 @@ def check(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef]) -> np.dtype:
     if dtype.name not in ("float32", "bfloat16", "float16"):
         raise UnsupportedModel(f"the checkpoint's tensors are {dtype}; supported: float32, bfloat16, float16")
     return dtype
+
+
+def _equal(a: safetensors.TensorRef, b: safetensors.TensorRef) -> bool:
+    """Bit for bit, a slab of rows at a time (an embedding table can be gigabytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    rows = max(1, TIE_CHUNK_BYTES * a.shape[0] // max(1, a.nbytes))
+    a_map, b_map = a.map(), b.map()
+    return all(np.array_equal(a_map[i : i + rows], b_map[i : i + rows], equal_nan=True) for i in range(0, a.shape[0], rows))
+
+
+def check_tied(cfg: ModelConfig, refs: dict[str, safetensors.TensorRef]) -> None:
+    """A tied model whose checkpoint also stores ``lm_head.weight`` must store the embedding table
+    there again, bit for bit. transformers' versions resolve a *different* stored head in
+    different ways (kept by some, overwritten by ``tie_weights`` in others), so which model the
+    checkpoint means is unknowable: refused by name, with both ways out."""
+    if cfg.tie_embeddings and "lm_head.weight" in refs and not _equal(refs["lm_head.weight"], refs["model.embed_tokens.weight"]):
+        raise UnsupportedModel(
+            "config.json says tie_word_embeddings: true, but the checkpoint's 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+            "(transformers versions disagree on which one the model uses): set tie_word_embeddings to false in config.json to use the "
+            "stored lm_head.weight, or delete lm_head.weight from the checkpoint to tie it to the embeddings"
+        )
