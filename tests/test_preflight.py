@@ -148,10 +148,17 @@ def test_where_it_cannot_be_held_a_given_step_deleted_while_read_is_an_error(run
 
 def test_a_config_edited_to_another_model_is_not_called_damaged(run_copy, data_dir, capsys):
     """config.json edited to d_model 64 and resumed with a matching override: before, the intact
-    steps were called "damaged" with the advice --resume-step 2, then a new --workdir."""
+    steps were called "damaged" with the advice --resume-step 2, then a new --workdir. The step's
+    model record names the field, with the checkpoint's value as the saved one."""
     config = json.loads((run_copy / "config.json").read_text())
     config["model"]["d_model"] = 64
     (run_copy / "config.json").write_text(json.dumps(config))
     rc, out = train_main(capsys, run_copy, data_dir, *SETTINGS, "steps=6", "model.d_model=64")
-    line = assert_one_error(rc, out, "checkpoint step 4", "is intact", "config.json edited", "put back the config")
+    line = assert_one_error(
+        rc,
+        out,
+        "config.json no longer describes the model its checkpoint step 4",
+        "model.d_model: 32 (saved with the checkpoint) vs 64 (in config.json)",
+        "put back the config",
+    )
     assert "damaged" not in line and "--resume-step" not in line and "new --workdir" not in line

@@ -4,8 +4,9 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 interrupted half-way never touches the previous checkpoint; keep-last-K deletes only older,
 finished steps. Each step carries the sha256 of each of its files, written into the temporary
 directory just before Orbax's rename (``_VerifiedRename``): no kill can leave a finished step
-without them (``integrity.py`` reads them). Checksums are checked before a restore, and
-restored arrays must be finite. A failed asynchronous save is reported by the next ``poll()``
+without them (``integrity.py`` reads them), with the model config it was saved from. Before a
+restore the checksums are checked and the model record compared with the config in use; a
+parameter tree is restored whole or not at all; restored arrays must be finite. A failed asynchronous save is reported by the next ``poll()``
 (the loop polls every step), as one CheckpointError (``failures.py``).
 """
 
@@ -26,10 +27,20 @@ import orbax.checkpoint as ocp
 
 from fibjax import distributed
 from fibjax.config import CheckpointConfig
-from fibjax.data.token_files import free_space, human_bytes
+from fibjax.data.token_files import free_space, human_bytes, write_json_atomically
 from fibjax.run import failures, integrity
-from fibjax.run.integrity import CHECKPOINTS_DIR, SUMS_FILE, checksum_problem, non_finite_arrays, numbered_steps
-from fibjax.run.workdir import CONFIG_FILE, CheckpointError
+from fibjax.run.integrity import (
+    CHECKPOINTS_DIR,
+    MODEL_FILE,
+    SUMS_FILE,
+    checksum_problem,
+    model_differences,
+    model_record,
+    non_finite_arrays,
+    numbered_steps,
+    saved_model,
+)
+from fibjax.run.workdir import CONFIG_FILE, CheckpointError, load_run_config
 
 # a save deletes the steps it retires first when the disk has less room than this x a checkpoint
 ROOM_MARGIN = 1.25
@@ -42,6 +53,11 @@ HELD_DIR = "checkpoints.held"
 # key occurs in the state tree (the parameters and the optimizer's per-parameter moments alike).
 # Restoring reads a checkpoint's own names and renames them, so earlier runs keep resuming.
 RENAMED_KEYS = {"theta": "alpha_logit"}  # 2026-12-01: a learned layer's alpha parameter
+
+# checkpoint directory -> the model record its steps are saved with (read by _VerifiedRename,
+# which Orbax makes, in its thread, from the step's path alone)
+_MODEL_RECORDS: dict[Path, dict] = {}
+_UNRECORDED_WARNED: set[Path] = set()  # checkpoint directories warned about in this process
 
 
 def rename_keys(tree, mapping: dict[str, str]):
@@ -56,12 +72,24 @@ def rename_keys(tree, mapping: dict[str, str]):
     return tree
 
 
+def _saved_tree(state_dir: Path):
+    """The saved state tree's metadata (a nested dict), or None when it cannot be read."""
+    try:  # the item's own metadata: a Checkpointer's metadata() looks for a step's _CHECKPOINT_METADATA
+        return ocp.StandardCheckpointHandler().metadata(state_dir).tree  # in state/ and warns on every load
+    except Exception:  # a damaged or foreign checkpoint: the restore itself reports it
+        return None
+
+
+def _paths(tree) -> set[str]:
+    """Every leaf's path as 'a/b/c' (Orbax's metadata has string keys where the state has ints)."""
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def saved_renames(state_dir: Path) -> dict[str, str]:
     """The entries of RENAMED_KEYS whose old name the checkpoint at ``state_dir`` still uses
     (read from Orbax's metadata of the saved tree; {} when it cannot be read)."""
-    try:  # the item's own metadata: a Checkpointer's metadata() looks for a step's _CHECKPOINT_METADATA
-        tree = ocp.StandardCheckpointHandler().metadata(state_dir).tree  # in state/ and warns on every load
-    except Exception:  # a damaged or foreign checkpoint: the restore itself reports it
+    tree = _saved_tree(state_dir)
+    if tree is None:
         return {}
     keys = {getattr(k, "key", None) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0] for k in path}
     return {old: new for old, new in RENAMED_KEYS.items() if old in keys}
@@ -87,6 +115,9 @@ class _VerifiedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
     async def finalize(self, *args, **kwargs):
         if self.get_final().name.isdigit():  # a step (Orbax commits its items, state/ and data/, the same way first)
+            record = _MODEL_RECORDS.get(Path(self.get_final()).parent.resolve())
+            if record is not None:
+                await asyncio.to_thread(write_json_atomically, Path(self.get()) / MODEL_FILE, record)
             await asyncio.to_thread(integrity.record_checksums, Path(self.get()))
         await super().finalize(*args, **kwargs)
 
@@ -94,12 +125,23 @@ class _VerifiedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 class Checkpointer:
     """Save / restore {state, data iterator} under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: Path, cfg: CheckpointConfig, *, save_in_flight_bytes: int | None = None):
+    def __init__(self, workdir: Path, cfg: CheckpointConfig, *, save_in_flight_bytes: int | None = None, model=None, model_source: str = ""):
         """``save_in_flight_bytes``: the most bytes of the state a save copies to the host at once
         (more than its largest array; default: Orbax's 96 GB). Bounded, a save of a model that
         already fills host memory (an import on the CPU backend, where the device is the host)
-        adds that much instead of a second copy of the model."""
+        adds that much instead of a second copy of the model.
+
+        ``model``: the ModelConfig in use (``model_source`` says where it comes from, for the
+        messages), recorded with every save and compared with a step's record before it is
+        restored; default: the model of ``<workdir>/config.json`` (none if it has none)."""
         self.directory = Path(workdir).resolve() / CHECKPOINTS_DIR
+        self._origin = self  # whose steps the messages list (a held copy holds one step)
+        if model is None and (Path(workdir) / CONFIG_FILE).is_file():
+            with contextlib.suppress(Exception):  # not a run's config: nothing to record or compare
+                model, model_source = load_run_config(Path(workdir)).model, f"in {Path(workdir) / CONFIG_FILE}"
+        self._model, self._model_source = model, model_source or "in use"
+        if model is not None:
+            _MODEL_RECORDS[self.directory] = model_record(model)
         self.set_aside_directory = self.directory.parent / SET_ASIDE_DIR
         self.keep, self._cfg = cfg.keep, cfg
         options = ocp.CheckpointManagerOptions(
@@ -217,8 +259,10 @@ class Checkpointer:
         Raises DamagedCheckpoint when its files changed since the save, cannot be read, or
         hold non-finite numbers; nothing is deleted."""
         self.check_files(step)
+        self.check_model(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = rename_keys(abstract_state, {new: old for old, new in renames.items()})  # asked for by the saved names
+        self._check_whole(step, target)
         items = {"state": ocp.args.StandardRestore(target)}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -233,8 +277,10 @@ class Checkpointer:
         """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
         a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
         self.check_files(step)
+        self.check_model(step)
         renames = saved_renames(self.directory / str(step) / "state")
         target = {"params": rename_keys(abstract_params, {new: old for old, new in renames.items()})}
+        self._check_whole(step, target)
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         try:
             restored = self.manager.restore(
@@ -250,10 +296,51 @@ class Checkpointer:
         if step in self.unverified_steps():
             raise self._damaged(step, checksum_problem(self.directory / str(step)))
         if step not in self.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {self.all_steps()}")
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available steps: {self._origin.all_steps()}")
         problem = checksum_problem(self.directory / str(step))
         if problem:
             raise self._damaged(step, problem)
+
+    def check_model(self, step: int) -> None:
+        """Raise CheckpointError when ``step`` was saved with another model than the one in use
+        (its record, ``integrity.MODEL_FILE``). A step saved before steps recorded their model
+        is restored with one warning: only its parameters' names and shapes are checked."""
+        if self._model is None:
+            return
+        saved = saved_model(self.directory / str(step))
+        if saved is None:
+            if self._origin.directory not in _UNRECORDED_WARNED and jax.process_index() == 0:
+                _UNRECORDED_WARNED.add(self._origin.directory)
+                print(
+                    f"warning: checkpoint step {step} in {self._origin.directory} records no model config (saved before fibjax recorded "
+                    f"it): only its parameters' names and shapes are checked against the config {self._model_source}",
+                    file=sys.stderr,
+                )
+            return
+        diff = model_differences(saved, self._model, self._model_source)
+        if diff:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} was saved with another model than the one {self._model_source}: "
+                + "; ".join(diff)
+                + f". Nothing was restored or deleted; put back the config the run was trained with (the step records it: "
+                f"{self.directory / str(step) / MODEL_FILE}). To evaluate it under another attention or RoPE, keep that config "
+                "and pass launch.eval --attention / --rope / --inference-mode; to train another model from it, use init_from in a new --workdir"
+            )
+
+    def _check_whole(self, step: int, target) -> None:
+        """Refuse to restore part of a saved parameter tree: Orbax's partial restore reads the
+        parameters ``target`` names and drops the rest, so a config edited to fewer layers
+        evaluated the first of the trained blocks."""
+        tree = _saved_tree(self.directory / str(step) / "state")
+        if not isinstance(tree, dict) or "params" not in tree:
+            return  # unreadable: the restore reports it
+        extra = sorted(_paths({"params": tree["params"]}) - _paths(target))
+        if extra:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds {len(extra)} parameter(s) the model {self._model_source} does not have, "
+                f"e.g. {extra[0]}: it was saved from another model, and restoring part of it would evaluate some of its weights as "
+                "another model. Nothing was restored or deleted; put back the config the run was trained with"
+            )
 
     def _check_finite(self, step: int, tree) -> None:
         bad = non_finite_arrays(tree)
@@ -271,7 +358,7 @@ class Checkpointer:
         )
 
     def _damaged(self, step: int, why: str) -> DamagedCheckpoint:
-        others = [s for s in self.all_steps() if s != step]
+        others = [s for s in self._origin.all_steps() if s != step]
         return DamagedCheckpoint(f"checkpoint step {step} in {self.directory} is damaged: {why}. Nothing was deleted; other steps: {others}.", step)
 
     @contextlib.contextmanager
@@ -288,7 +375,8 @@ class Checkpointer:
             return
         try:
             shutil.copytree(self.directory / str(step), root / CHECKPOINTS_DIR / str(step), copy_function=os.link)
-            holder = Checkpointer(root, self._cfg)
+            holder = Checkpointer(root, self._cfg, model=self._model, model_source=self._model_source)
+            holder._origin = self
         except (OSError, shutil.Error):
             shutil.rmtree(root, ignore_errors=True)
             yield self

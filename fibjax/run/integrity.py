@@ -4,6 +4,11 @@ Orbax does not notice changed bytes (its zstd frames carry no checksum), so each
 the sha256 of each of its files (``<step>/fibjax.sha256.json``), written inside Orbax's commit
 (``checkpoints._VerifiedRename``). A step without them (saved before checksums existed, or by
 another writer) counts as unfinished: it is never restored. Restored arrays must be finite too.
+
+Each step also records the model config it was saved with (``<step>/fibjax.model.json``, one of
+the files its checksums cover): a restore compares it with the config in use, so a config.json
+edited to another model (fewer layers, other heads of the same shapes, another window) is
+refused by name instead of restoring some of the weights or reading them as another model.
 """
 
 from __future__ import annotations
@@ -11,13 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
+from fibjax.config import to_dict
 from fibjax.data.token_files import file_sha256, write_json_atomically
 
 SUMS_FILE = "fibjax.sha256.json"
 CHECKPOINTS_DIR = "checkpoints"
+MODEL_FILE = "fibjax.model.json"
+# model fields that do not change what is trained (workdir.RESUMABLE_CHANGES): not recorded
+UNRECORDED = ("remat", "scan_layers", "logits_chunk")
 
 
 def numbered_steps(directory: Path) -> list[int]:
@@ -50,11 +56,39 @@ def unfinished_saves(workdir: Path) -> list[int]:
     return sorted({int(n) for n in names if n.isdigit()})
 
 
+def model_record(model) -> dict:
+    """What a step records of the model config ``model`` (a ModelConfig): its flattened fields,
+    as JSON has them, less UNRECORDED."""
+    flat = _flatten(json.loads(json.dumps(to_dict(model))))
+    return {k: v for k, v in flat.items() if k.split(".")[0] not in UNRECORDED}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def saved_model(step_dir: Path) -> dict | None:
+    """The model record of a step (None: saved before steps recorded their model)."""
+    path = step_dir / MODEL_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def model_differences(saved: dict, model, in_use: str) -> list[str]:
+    """The fields where ``model`` differs from a step's record ``saved``, as
+    'model.FIELD: SAVED (saved with the checkpoint) vs NOW (IN_USE)'. A field that only one side
+    has (added to fibjax or removed since the save) is not compared."""
+    now = model_record(model)
+    return [f"model.{k}: {saved[k]!r} (saved with the checkpoint) vs {now[k]!r} ({in_use})" for k in sorted(saved) if k in now and saved[k] != now[k]]
+
+
 def record_checksums(step_dir: Path) -> None:
-    """Write the sha256 of every file of a step's items into the step (about 1.4 GB/s). Orbax's
-    own files at the step's top (its step metadata, its commit marker) are left out: Orbax
-    rewrites them during the commit, after these sums are written."""
-    files = [f for f in sorted(step_dir.rglob("*")) if f.is_file() and len(f.relative_to(step_dir).parts) > 1]
+    """Write the sha256 of every file of a step's items, and of its model record, into the step
+    (about 1.4 GB/s). Orbax's own files at the step's top (its step metadata, its commit marker)
+    are left out: Orbax rewrites them during the commit, after these sums are written."""
+    files = [f for f in sorted(step_dir.rglob("*")) if f.is_file() and (len(f.relative_to(step_dir).parts) > 1 or f.name == MODEL_FILE)]
     write_json_atomically(step_dir / SUMS_FILE, {str(f.relative_to(step_dir)): file_sha256(f) for f in files})
 
 
@@ -75,5 +109,8 @@ def checksum_problem(step_dir: Path) -> str | None:
 
 def non_finite_arrays(tree) -> list[str]:
     """Paths of the floating-point arrays of ``tree`` that hold a NaN or an infinity."""
+    import jax  # here: the rest of this module is read by commands that never start JAX
+    import jax.numpy as jnp
+
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return [jax.tree_util.keystr(path) for path, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.isfinite(x).all())]

@@ -24,7 +24,7 @@ from fibjax.data.token_files import data_tokenizer
 from fibjax.data.tokenizer import Tokenizer
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
 from fibjax.run.integrity import finished_steps
-from fibjax.run.workdir import CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir, verify_data
+from fibjax.run.workdir import CONFIG_FILE, CheckpointError, load_run_config, pinned_tokenizer, resolve_data_dir, verify_data
 
 # how many times an evaluation reads the latest step again when training deletes the one it reads
 DELETED_RETRIES = 3
@@ -49,7 +49,7 @@ def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
             f"{workdir} has no finished checkpoint yet: it saves its first at step {cfg.checkpoint.every_steps} "
             f"(checkpoint.every_steps); train it (the command that started it, with --workdir {workdir}) and evaluate it then"
         )
-    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    ckpt = Checkpointer(workdir, cfg.checkpoint, model=cfg.model, model_source=f"in {workdir / CONFIG_FILE}")
     try:
         chosen, params = _restore_held(ckpt, cfg, step_number)
     finally:

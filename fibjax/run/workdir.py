@@ -21,6 +21,7 @@ from fibjax import distributed
 from fibjax.config import TrainConfig, from_dict, to_dict
 from fibjax.data.token_files import verify_checksums, write_json_atomically
 from fibjax.errors import FibjaxError
+from fibjax.run.integrity import CHECKPOINTS_DIR, MODEL_FILE, finished_steps, model_differences, saved_model
 from fibjax.run.lock import LOCK_FILE
 
 CONFIG_FILE = "config.json"
@@ -67,7 +68,7 @@ def changed_fields(a: TrainConfig, b: TrainConfig) -> dict[str, tuple[Any, Any]]
 def config_differences(saved: TrainConfig, current: TrainConfig) -> list[str]:
     """Fields that differ and may not change on resume, as 'field: saved -> current'."""
     allowed = lambda key: any(key == f or key.startswith(f + ".") for f in RESUMABLE_CHANGES)  # noqa: E731
-    return [f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in changed_fields(saved, current).items() if not allowed(k)]
+    return [f"{k}: {a!r} (in {CONFIG_FILE}) vs {b!r} (this command)" for k, (a, b) in changed_fields(saved, current).items() if not allowed(k)]
 
 
 def check_is_directory(workdir: Path) -> None:
@@ -97,6 +98,7 @@ def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
         saved = from_dict(TrainConfig, json.loads(path.read_text()))
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{path} is not a fibjax run config ({e}); use another --workdir") from None
+    check_config_is_the_trained_one(Path(workdir), saved)
     diff = config_differences(saved, cfg)
     if diff:
         raise CheckpointError(
@@ -105,6 +107,22 @@ def check_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
             + "\nUse a new --workdir, or the same config to resume."
         )
     return saved
+
+
+def check_config_is_the_trained_one(workdir: Path, saved: TrainConfig) -> None:
+    """``config.json`` still describes the model its latest checkpoint was saved with (the step's
+    record, ``integrity.MODEL_FILE``; a step saved before the record is not compared here)."""
+    steps = finished_steps(workdir)
+    step_dir = Path(workdir) / CHECKPOINTS_DIR / str(steps[-1]) if steps else None
+    record = saved_model(step_dir) if step_dir else None
+    edited = model_differences(record, saved.model, f"in {CONFIG_FILE}") if record else []
+    if edited:
+        raise CheckpointError(
+            f"{Path(workdir) / CONFIG_FILE} no longer describes the model its checkpoint step {steps[-1]} was saved with: "
+            + "; ".join(edited)
+            + f". Was it edited since the run saved it? Nothing was changed; put back the config the run was trained with (the step "
+            f"records it: {step_dir / MODEL_FILE}), then resume with the command that trained it"
+        )
 
 
 def claim_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:

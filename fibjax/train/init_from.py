@@ -107,7 +107,7 @@ def source_params(source: Source, mesh: jax.sharding.Mesh) -> dict:
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(source.cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
     shardings = sharding.param_shardings(abstract, mesh)
     target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nnx.to_pure_dict(abstract), shardings)
-    ckpt = Checkpointer(source.workdir, source.cfg.checkpoint)
+    ckpt = Checkpointer(source.workdir, source.cfg.checkpoint, model=source.cfg.model, model_source=f"in {source.workdir / 'config.json'}")
     try:
         return ckpt.restore_params(source.step, target)
     except DamagedCheckpoint as e:

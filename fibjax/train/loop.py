@@ -231,9 +231,10 @@ def way_on(ckpt: Checkpointer, damaged: int) -> str:
 def check_final_step(cfg: TrainConfig, workdir: Path, step: int) -> None:
     """A complete run's last checkpoint is intact (what ``launch.eval`` will read), checked before
     "nothing to do" is said."""
-    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    ckpt = Checkpointer(workdir, cfg.checkpoint, model=cfg.model, model_source="in this command's config")
     try:
         ckpt.check_files(step)
+        ckpt.check_model(step)
     except DamagedCheckpoint as e:
         raise CheckpointError(f"{workdir} is complete, but {e} {way_on(ckpt, e.step)}") from None
     finally:
@@ -307,7 +308,7 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
         process_count=jax.process_count(),
         worker_count=cfg.data.worker_count,
     )
-    ckpt = Checkpointer(workdir, cfg.checkpoint)
+    ckpt = Checkpointer(workdir, cfg.checkpoint, model=cfg.model, model_source="in this command's config")
     state = restore(ckpt, start, trainer, data_iter, resume_step) if start else trainer.init()
     if start:  # a resume writes nothing before its checkpoint is restored: a failed one changes nothing
         distributed.on_main(
