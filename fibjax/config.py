@@ -36,13 +36,19 @@ def _require(ok: bool, name: str, message: str, value) -> None:
 class AttentionConfig:
     """Attention of every layer. ``kind``: a registered attention kind (``fibjax.kinds``): dense |
     offset (paper A) | block_sparse (MoBA, paper B) | nsa (NSA, paper B's gated baseline:
-    compressed blocks + selected blocks + window) | one of your own."""
+    compressed blocks + selected blocks + window) | window (the last W keys) | sinks (the first
+    S positions + the last W keys, StreamingLLM) | one of your own."""
 
     # the attention every layer runs: a kind registered in fibjax.kinds (dense | offset |
-    # block_sparse | nsa, or one of your own)
+    # block_sparse | nsa | window | sinks, or one of your own)
     kind: str = "dense"
-    # offset: the dense local window {0..W}; nsa: the window branch's keys i-W .. i
+    # offset: the dense local window {0..W}, W + 1 keys; nsa: the window branch's keys i-W .. i;
+    # window and sinks: the last W keys, itself included (0 <= i - j < W: W keys, Mistral's
+    # sliding_window), so offset's W8 window is window=9
     window: int = 12
+    # sinks: the first S positions every query also attends (StreamingLLM's attention sinks; its
+    # paper found 4 enough to hold the softmax mass that the first tokens draw)
+    sinks: int = 4
     # offset: the rungs f scaled by alpha: fibonacci (1, 2, 3, 5, ..., 987), pow2 (every power of two
     # below the evaluated length) or explicit positive ints
     base: str | tuple[int, ...] = "fibonacci"
@@ -67,7 +73,8 @@ class AttentionConfig:
     # whose model attention is the dense full stream
     nsa_params: bool = False
     # offset and block_sparse kinds: None is XLA until the kernels pass their hardware check
-    # (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one
+    # (pallas.backend.PALLAS_BY_DEFAULT); "xla" or "pallas" forces one. window: None (or
+    # "pallas") is cuDNN's sliding window on a GPU where cuDNN takes it, else XLA; "xla" forces XLA
     implementation: str | None = None
 
     def __post_init__(self):
@@ -75,6 +82,9 @@ class AttentionConfig:
 
         _require(self.kind in registry.names(), "kind", f"must be a registered attention kind: {', '.join(registry.names())}", self.kind)
         _require(self.window >= 0, "window", "must be >= 0", self.window)
+        _require(self.sinks >= 0, "sinks", "must be >= 0", self.sinks)
+        for name, least in registry.minimums(self.kind).items():
+            _require(getattr(self, name) >= least, name, f"must be >= {least} for kind {self.kind}", getattr(self, name))
         if isinstance(self.base, str):
             _require(self.base in ("fibonacci", "pow2"), "base", "must be fibonacci, pow2 or a tuple of ints", self.base)
         else:

@@ -28,12 +28,21 @@ def distance_mask(t: int, distances) -> np.ndarray:
     return np.isin(diff, list(distances)) & (diff >= 0)
 
 
-def masked_attention(q, k, v, allowed_TT):
-    """Softmax attention restricted to allowed[i, j]; GQA by repeating K/V heads."""
+def band_mask(t: int, window: int, sinks: int = 0) -> np.ndarray:
+    """allowed[i, j] = j <= i and (i - j < window (the last W keys, itself included) or j < sinks)."""
+    diff = np.arange(t)[:, None] - np.arange(t)[None, :]
+    return (diff >= 0) & ((diff < window) | (np.arange(t)[None, :] < sinks))
+
+
+def masked_attention(q, k, v, allowed_TT, *, q_other=None, other_TT=None):
+    """Softmax attention restricted to allowed[i, j]; GQA by repeating K/V heads. The scores where
+    other[i, j] are q_other's (the sinks kind scores its sinks with queries of their own)."""
     h, kh = q.shape[2], k.shape[2]
     k = jnp.repeat(_wide(k), h // kh, axis=2)
     v = jnp.repeat(_wide(v), h // kh, axis=2)
     s = jnp.einsum("bihd,bjhd->bhij", _wide(q), k, precision="highest") / math.sqrt(q.shape[-1])
+    if q_other is not None:
+        s = jnp.where(other_TT, jnp.einsum("bihd,bjhd->bhij", _wide(q_other), k, precision="highest") / math.sqrt(q.shape[-1]), s)
     s = jnp.where(allowed_TT, s, -jnp.inf)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])

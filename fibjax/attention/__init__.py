@@ -26,6 +26,8 @@ _LAZY = {
     "select_blocks": "fibjax.attention.block_sparse",
     "compress_blocks": "fibjax.attention.nsa",
     "nsa_attention": "fibjax.attention.nsa",
+    "window_attention": "fibjax.attention.window",
+    "sinks_attention": "fibjax.attention.window",
 }
 
 
@@ -62,4 +64,6 @@ __all__ = [
     "rung_slots",
     "rung_taps",
     "select_blocks",
+    "sinks_attention",
+    "window_attention",
 ]

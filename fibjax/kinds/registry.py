@@ -22,7 +22,12 @@ _BUILTIN = {
     "offset": "fibjax.kinds.offset:OFFSET",
     "block_sparse": "fibjax.kinds.block_sparse:BLOCK_SPARSE",
     "nsa": "fibjax.kinds.nsa:NSA_KIND",
+    "window": "fibjax.kinds.window:WINDOW",
+    "sinks": "fibjax.kinds.window:SINKS",
 }
+# the least value of a config field a built-in kind accepts, checked by the config without
+# importing the kind (its module loads JAX); other kinds' fields only need to be >= 0
+_MINIMUMS = {"window": {"window": 1}, "sinks": {"window": 1, "sinks": 1}}
 # variants a registered kind hands a config to (``resolve``); not names a config may give
 _VARIANTS = {"interpolated": "fibjax.kinds.interpolated:INTERPOLATED"}
 _KINDS: dict[str, AttentionKind] = {}
@@ -66,6 +71,11 @@ def get(name: str) -> AttentionKind:
             raise KeyError(f"unknown attention kind {name!r}; known: {', '.join(names())}")
         _KINDS[name] = _load(_BUILTIN[name])
     return _KINDS[name]
+
+
+def minimums(name: str) -> dict[str, int]:
+    """{field: least value} that kind ``name`` needs of its ``AttentionConfig`` fields."""
+    return _MINIMUMS.get(name, {})
 
 
 def variant(name: str) -> AttentionKind:
