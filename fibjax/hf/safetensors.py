@@ -66,13 +66,6 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _object(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
-    return dict(pairs)
-
-
 def _tensor(path: Path, name: str, info, base: int) -> tuple[TensorRef, int, int]:
     """(the tensor, begin, end) of one header entry, its fields checked as the reference reader does."""
     where = f"{path}: tensor {name!r}"
@@ -108,7 +101,7 @@ def read_header(path: Path) -> dict[str, TensorRef]:
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
             if length is None or not 0 < length <= min(MAX_HEADER, size - 8):
                 raise SafetensorsError(f"{path} is not a safetensors file (bad header length; truncated?)")
-            header = json.loads(f.read(length).decode("utf-8"), object_pairs_hook=_object)
+            header = json.loads(f.read(length).decode("utf-8"))
     except FileNotFoundError:
         raise SafetensorsError(f"{path} is missing") from None
     except (OSError, ValueError) as e:
