@@ -6,6 +6,8 @@ rungs bounded by the training length) with only the attention differing, trained
 curves every 250 steps; evaluated at 1x, 2x and 4x on 131,072 held-out tokens per dataset.
 Stage 3 continues paper B's FullAttn and SSA models of stage 2 at 1,024 tokens (``init_from``).
 Stage 4 trains dense, fixed W8 and stagger W8 again for 4x the tokens (8,000 steps, 32.8M).
+Stage 5 sets Fibonacci against what practitioners use instead: a window of equal cost, the dense
+models under a window, attention sinks and RoPE scaling, and shifted against soft rungs.
 """
 
 from fibjax.eval.groups import FigureGroup
@@ -41,6 +43,20 @@ AT_512 = ("seq_len=512", "global_batch=8", *CURVE)
 BUDGETS = tuple(("--inference-mode", "sparse", "--num-blocks", str(n), "--block-size", "16", "--lengths", "256,1024") for n in (2, 4, 8, 16, 32))
 # 4x the tokens: 8,000 steps = 32.8M tokens, the 4x curve every 500 steps (stage 1's recipe otherwise)
 TOKENS_4X = ("seed=44", "steps=8000", "checkpoint.every_steps=500", "eval.every_steps=500", *CURVE)
+# Against what practitioners use (issue 51; BUILD_NOTES "Against what practitioners use: declared
+# before its runs"): the no-training baselines of a dense model at 1x, 4x, 8x and 16x, the same
+# scored tokens: a window of 256 keys, StreamingLLM's 4 sinks + 252, YaRN and NTK at x4 and x16
+AT_16X = ("--lengths", "256,1024,2048,4096")
+BASELINES = (
+    ("--attention", "kind=window", "window=256", *AT_16X),
+    ("--attention", "kind=sinks", "sinks=4", "window=252", *AT_16X),
+    *(("--rope", "scaling=yarn", f"factor={f}", "original_len=256", *AT_16X) for f in (4, 16)),
+    *(("--rope", "scaling=ntk", f"factor={f}", *AT_16X) for f in (4, 16)),
+)
+# ... and the trained baseline at equal cost (16 keys per query, stagger W8's count), with shifted
+# or soft: fixed W8's static path at alpha 0.99 against the interpolation control
+WINDOW16 = "configs/cpu/window_equal_w8.py"
+STATIC = "configs/study/fib_static099_w8.py"
 # A dense model retrofitted with Fibonacci stagger attention: 300 steps from dense seed 44
 RETROFIT = ("init_from=runs/study/cpu/dense_seed44", "steps=300", "optim.warmup_steps=30", "checkpoint.every_steps=100", "eval.every_steps=50", *CURVE)
 
@@ -74,6 +90,10 @@ def get_study() -> Study:
             # the interpolation control (BUILD_NOTES, declared before its runs): fractional offsets or learning?
             Comparison("frozen 0.99 - fixed (W8)", FROZEN, "configs/cpu/fib_fixed_w8.py"),
             Comparison("learned - frozen 0.99 (W8)", "configs/cpu/fib_learned_w8.py", FROZEN),
+            # issue 51, declared before its runs: the window of equal cost, and shifted or soft
+            Comparison("stagger - window 16 (W8)", "configs/cpu/fib_stagger_w8.py", WINDOW16),
+            Comparison("static 0.99 - fixed (W8)", STATIC, "configs/cpu/fib_fixed_w8.py"),
+            Comparison("frozen 0.99 - static 0.99 (W8)", FROZEN, STATIC),
         ),
         # issue 28's second trend: dense and stagger at 256 (every seed) and at 512
         trends=(
@@ -138,7 +158,7 @@ def get_study() -> Study:
             *(seeded(n, f"configs/cpu/{n}.py", s) for s in SEEDS for n in ("fib_fixed_w8", "fib_stagger_w8")),
             *(seeded("fib_learned_w8", "configs/cpu/fib_learned_w8.py", s) for s in SEEDS),
             # dense at 16x, and its 4x curve against tokens seen (the scale trend's dense line at 256)
-            StudyRun("dense_seed44", "configs/cpu/dense.py", ("seed=44", *CURVE), extra_evals=(LONG,)),
+            StudyRun("dense_seed44", "configs/cpu/dense.py", ("seed=44", *CURVE), extra_evals=(LONG, *BASELINES)),
             # stage 2: the rest of paper A's matrix at W8/W12, and paper B's methods
             StudyRun("fib_learned_w8", "configs/cpu/fib_learned_w8.py", stage=2),
             StudyRun("fib_coprime_w8", "configs/cpu/fib_coprime_w8.py", stage=2),
@@ -161,6 +181,17 @@ def get_study() -> Study:
             StudyRun("ssa_fullattn_c1024", "configs/ssa/cpu_fullattn.py", continued("ssa_fullattn"), stage=3, extra_evals=(YARN_1024,)),
             StudyRun("ssa_ssa_c1024", "configs/ssa/cpu_ssa.py", continued("ssa_ssa"), stage=3, extra_evals=(*SPARSE, YARN_1024)),
             # stage 4: 4x the tokens (32.8M) for dense, fixed W8 and stagger W8 at seed 44
-            *(StudyRun(f"{n}_32m_seed44", f"configs/cpu/{n}.py", TOKENS_4X, stage=4, extra_evals=(LONG,)) for n in ("dense", "fib_fixed_w8", "fib_stagger_w8")),
+            *(StudyRun(f"{n}_32m_seed44", f"configs/cpu/{n}.py", TOKENS_4X, stage=4, extra_evals=(LONG,)) for n in ("fib_fixed_w8", "fib_stagger_w8")),
+            StudyRun("dense_32m_seed44", "configs/cpu/dense.py", TOKENS_4X, stage=4, extra_evals=(LONG, *BASELINES)),
+            # stage 5 (issue 51): the declared primary test's pairs first (window 16 and static 0.99
+            # beside the record's stagger, fixed and frozen runs of seeds 44-46), then dense seeds 45
+            # and 46 for the no-training baselines, then the "more keys" window of 64
+            *(
+                StudyRun(f"{name}_seed{s}", config, (f"seed={s}",), stage=5, extra_evals=(LONG,))
+                for s in SEEDS
+                for name, config in (("window_equal_w8", WINDOW16), ("fib_static099_w8", STATIC))
+            ),
+            *(StudyRun(f"dense_seed{s}", "configs/cpu/dense.py", (f"seed={s}", *CURVE), stage=5, extra_evals=(LONG, *BASELINES)) for s in (45, 46)),
+            StudyRun("window_w64_seed44", "configs/cpu/window_w64.py", ("seed=44",), stage=5, extra_evals=(LONG,)),
         ),
     )
