@@ -6,8 +6,9 @@ A command is any shell segment (split at ``&&``, ``||``, ``;``, ``|``, ``&``) th
 ``launch`` module or script, in any of the forms people write: ``python``, ``python3``,
 ``.venv/bin/python``; behind ``nice [-n N]``, ``time``, ``/usr/bin/time -v``, ``timeout D``,
 ``env``, ``sbatch`` and ``VAR=value`` assignments; a ``$ `` prompt (``console`` blocks); lines
-joined by ``\\``. A segment that names a ``launch`` module in a form this file does not know is
-itself a problem, so a new way of writing a command cannot slip past unchecked.
+joined by ``\\``. A segment that runs ``-m launch.X`` or a launch script behind a program this file does not know
+(``uv run -m launch.eval``) is itself a problem, so a new way of writing a command cannot slip
+past unchecked.
 
 Placeholders (``RUN``, ``CONFIG``, ``N``, ``[--step S]``, ``{a,b}``, ``...``, an f-string's
 ``{}``) are replaced by stand-ins of the right kind, so a command with a placeholder is still
@@ -31,7 +32,6 @@ from tests.helpers import ROOT
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 TRAIN_SCRIPTS = {"launch/local_multiprocess.sh", "launch/slurm_gpu.sbatch", "launch/tpu_pod.sh"}
 INTERPRETER = re.compile(r"^(?:\S*/)?python(?:3(?:\.\d+)?)?$")
-LAUNCH_WORD = re.compile(r"^launch[./]\w")
 # placeholder -> a stand-in the parsers accept (a path need not exist: nothing runs)
 PLACEHOLDERS = {
     "RUN": "runs/tiny",
@@ -49,6 +49,7 @@ PLACEHOLDERS = {
     "TASK": "hellaswag",
     "STUDY": "configs/study/cpu",
     "SUB": "attention",
+    "DATASET": "HuggingFaceFW/fineweb",
     "N": "8",
     "S": "100",
     "X": "tiny",
@@ -57,7 +58,7 @@ PLACEHOLDERS = {
 }
 CONFIG_FLAGS = {"--config"}  # a placeholder after these stands for a config file
 STAND_IN_CONFIG = "configs/tiny.py"
-PLACEHOLDER_WORD = re.compile(r"(?<![\w.-])[A-Z][A-Z0-9_]*(?![\w.])")
+PLACEHOLDER_WORD = re.compile(r"(?<![\w.-])[A-Z][A-Z0-9_]*(?!\w)")
 
 
 class UnknownForm(Exception):
@@ -121,9 +122,9 @@ def launch_command(words: list[str]) -> tuple[str, list[str]] | None:
         return rest[2], rest[3:]
     if rest and rest[0].removeprefix("./") in TRAIN_SCRIPTS:
         return env.get("MODULE", "launch.train"), rest[1:]
-    if any(LAUNCH_WORD.match(w) for w in rest) and not (rest and rest[0] in ("git", "ls", "cat", "cd", "cp", "mkdir", "rm", "tail", "head", "less")):
-        if not any(w.startswith("launch/") and w.endswith((".sh", ".sbatch")) and w not in TRAIN_SCRIPTS for w in rest):
-            raise UnknownForm(" ".join(words))
+    named = [i for i, w in enumerate(rest) if w == "-m" and i + 1 < len(rest) and rest[i + 1].startswith("launch.")]
+    if named or (rest[1:] and any(w.removeprefix("./") in TRAIN_SCRIPTS for w in rest[1:])):
+        raise UnknownForm(" ".join(words))
     return None
 
 
@@ -131,9 +132,13 @@ def stand_ins(words: list[str]) -> list[str]:
     """``words`` with placeholders replaced; raises ValueError naming an unknown placeholder."""
     out = []
     for i, word in enumerate(words):
-        if word in ("...", "…") or word in ("[key=value", "key=value", "key=value]") or word.startswith("[lm-eval"):
+        if word.startswith("[lm-eval"):
             continue
         word = word.strip("[]")
+        if word in ("...", "…") and i and re.fullmatch(r"--[\w-]+", words[i - 1]):
+            word = "x"  # `--prompt "..."`: an elided value
+        if word in ("...", "…", "key=value", "options"):
+            continue
         word = re.sub(r"\[([^\]]*)\]", r"\1", word)  # NAME=DIR[:SOURCE]
         if choice := re.fullmatch(r"\{([\w-]+),[\w,-]+\}", word):
             word = choice.group(1)
@@ -203,12 +208,17 @@ def apply_config(words: list[str], module: str = "launch.train"):
     return config_module.apply_overrides(config_module.load_config_file(ROOT / (args.config or "configs/tiny.py")), args.overrides)
 
 
-def check(module: str, words: list[str]) -> str | None:
+# a command quoted in prose or a message may show only some of its flags
+MISSING_REQUIRED = re.compile(r"the following arguments are required|one of the arguments .* is required")
+
+
+def check(module: str, words: list[str], partial: bool = False) -> str | None:
     """What is wrong with ``python -m module words`` (None: nothing): the real parser's error,
     a config key or value the config tree refuses, or an ``--attention`` / ``--rope`` item its
-    validator refuses (checked against the tiny config's model)."""
-    if module.endswith(".NAME"):
-        return None  # `python -m launch.NAME`: the module itself is the placeholder
+    validator refuses (checked against the tiny config's model). ``partial``: a synopsis, whose
+    missing required flags are not an error (every flag and value it does show still is)."""
+    if not re.fullmatch(r"launch\.[a-z_]+", module):
+        return None  # `python -m launch.NAME`, `launch.*`: the module itself is a placeholder
     try:
         words = stand_ins(words)
     except ValueError as e:
@@ -216,6 +226,8 @@ def check(module: str, words: list[str]) -> str | None:
     if module not in ("launch.harness",) and module.removeprefix("launch.") not in _modules():
         return f"no module {module}"
     args, error = parse(module, words)
+    if error and partial and MISSING_REQUIRED.search(error):
+        return None
     if error or args is None:
         return error
     try:
