@@ -19,6 +19,7 @@ from fibjax.attention import attended_distances, interpolated_attention, offset_
 from fibjax.attention.offset_xla import interpolated_attention_xla, offset_attention_xla
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, kernels, offset_attention_pallas
 from fibjax.attention.pallas import backend as pallas_backend
+from fibjax.attention.pallas.block_kernels import VARIANTS
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from tests import oracle
 from tests.tiers import first_fast, slow
@@ -185,6 +186,7 @@ def test_dispatch(monkeypatch):
 # compile for the device (``.compile()`` here would target the CPU) or prove speed.
 
 LOWERINGS = {"tpu": ("mosaic_tpu", "@tpu_custom_call"), "cuda": ("triton", "@__gpu$xla.gpu.triton")}
+BLOCK_VARIANTS = ["combined", *(v for v in VARIANTS if v not in ("default", "combined"))]  # the default is the test above
 
 
 def assert_kernels(text: str, marker: str, platform: str, name: str, parts=("fwd", "dq", "dkdv")) -> None:
@@ -231,3 +233,26 @@ def test_block_sparse_kernels_lower_without_hardware(platform, dtype):
     args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, 512, 8, 64), (2, 512, 2, 64), (2, 512, 2, 64))]
     text = jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert_kernels(text, marker, platform, "block_sparse_attention", ("fwd", "bwd"))
+
+
+@pytest.mark.parametrize(
+    ("platform", "variant", "dtype"), first_fast([(p, v, d) for v in BLOCK_VARIANTS for d in (BF16, F32) for p in sorted(LOWERINGS)], 2, unpack=True)
+)
+def test_block_sparse_variants_lower_without_hardware(platform, variant, dtype):
+    """Each variant of the block-sparse kernels (``block_kernels.VARIANTS``) in a training step's
+    program, as above; on TPU a variant that gathers rows in the kernel is refused by name (Mosaic
+    has no gather of rows from VMEM), every other one lowers."""
+    backend, marker = LOWERINGS[platform]
+    options = VARIANTS[variant]
+    attend = functools.partial(block_sparse_attention_pallas, block_size=16, num_blocks=4, return_lse=True, backend=backend, options=options)
+
+    def fwd_and_grads(q, k, v):
+        return jax.grad(lambda q, k, v: sum(jnp.sum(x.astype(F32)) for x in attend(q, k, v)), (0, 1, 2))(q, k, v)
+
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in ((2, 512, 8, 64), (2, 512, 2, 64), (2, 512, 2, 64))]
+    lower = lambda: jax.jit(fwd_and_grads).trace(*args).lower(lowering_platforms=(platform,)).as_text()  # noqa: E731
+    if platform == "tpu" and options.gather_in_kernel:
+        with pytest.raises(ValueError, match="gather_in_kernel"):
+            lower()
+        return
+    assert_kernels(lower(), marker, platform, "block_sparse_attention", ("fwd", "bwd"))
