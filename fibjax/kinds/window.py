@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fibjax.attention.common import group_queries
+from fibjax.attention.rope import rope, rope_frequencies
 from fibjax.attention.window import sinks_attention, window_attention
 from fibjax.kinds.base import ALWAYS, KV, AttentionKind, LayerPlan, as_output, own_and_cached, read, ring_cache, row_bytes, scores, values, write_rows
 
@@ -91,8 +92,6 @@ class Window(AttentionKind):
 def sink_queries(attn, q_BTHE: Array, positions_BT: Array, sinks: int, window: int) -> Array:
     """The queries that score the sinks: rotated back by max(0, i - (S + W - 1)), to the query's
     position in StreamingLLM's cache (RoPE without its temperature: only the rotation moves)."""
-    from fibjax.model import rope, rope_frequencies  # the model imports the kinds' registry
-
     inv_freq_E2, _ = rope_frequencies(q_BTHE.shape[-1], attn.cfg)
     return rope(q_BTHE, -jnp.maximum(positions_BT - (sinks + window - 1), 0), inv_freq_E2)
 
@@ -129,7 +128,8 @@ class Sinks(Window):
         out_BPHE = self.attend(attn, q_BPHE, k_BPKE, v_BPKE, attn.cfg.attention)
         first = min(plan.sinks, k_BPKE.shape[1])
         sink_k, sink_v = (
-            jnp.zeros(x.shape[:2] + (plan.sinks, x.shape[3]), x.dtype).at[:, :, :first].set(jnp.swapaxes(x[:, :first], 1, 2)) for x in (k_BPKE, v_BPKE)
+            jnp.zeros((x.shape[0], x.shape[2], plan.sinks, x.shape[3]), x.dtype).at[:, :, :first].set(jnp.swapaxes(x[:, :first], 1, 2))
+            for x in (k_BPKE, v_BPKE)
         )
         return out_BPHE, SinkKV(*ring_cache(plan, k_BPKE, v_BPKE), sink_k, sink_v)
 
