@@ -12,3 +12,14 @@ from __future__ import annotations
 
 class FibjaxError(Exception):
     """A fibjax error: the message names the problem and what to do about it."""
+
+
+def pip_install(extra: str) -> str:
+    """The command that adds an optional extra, in the form that fits how fibjax was installed:
+    ``pip install -e ".[hf]"`` in a clone (the package sits beside its ``pyproject.toml``),
+    ``pip install "fibjax[hf]"`` for an installed wheel. Remedies in messages use it, so a wheel
+    user is not told to run a command that needs a source tree."""
+    from pathlib import Path
+
+    in_clone = (Path(__file__).resolve().parent.parent / "pyproject.toml").is_file()
+    return f'pip install -e ".[{extra}]"' if in_clone else f'pip install "fibjax[{extra}]"'

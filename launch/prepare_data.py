@@ -15,7 +15,8 @@ uses, read from its directory; each document is written as [BOS] tokens EOS as t
 
   python -m launch.prepare_data --out data/mine-llama --tokenizer path/to/Llama-3.2-1B --source mine=path/to/folder
 
-Hugging Face datasets (pip install -e ".[hf]", network; docs/guides/your-own-data.md
+Hugging Face datasets (the hf extra: pip install "fibjax[hf]", or pip install -e ".[hf]" in a
+clone; network; docs/guides/your-own-data.md
 "5. The papers' and the CPU study's data" has the CPU and paper mixtures):
 
   python -m launch.prepare_data --out data/web --vocab-size 8192 --max-tokens 8000000 \\

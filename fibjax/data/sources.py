@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from fibjax.errors import FibjaxError
+from fibjax.errors import FibjaxError, pip_install
 
 
 class DataError(FibjaxError, ValueError):
@@ -177,7 +177,7 @@ def check_hub_reachable(specs, timeout_s: float = 10.0) -> None:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise DataError(f"source {hf[0]!r} needs the Hugging Face 'datasets' package: pip install -e \".[hf]\"") from None
+        raise DataError(f"source {hf[0]!r} needs the Hugging Face 'datasets' package: {pip_install('hf')}") from None
     if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
         return
     url = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))

@@ -1,4 +1,5 @@
-"""A fibjax run in EleutherAI's lm-evaluation-harness (``pip install -e ".[harness]"``):
+"""A fibjax run in EleutherAI's lm-evaluation-harness (the ``harness`` extra: ``pip install
+"fibjax[harness]"``, or ``pip install -e ".[harness]"`` in a clone):
 
     python -m fibjax.eval.harness --model_args workdir=runs/tiny --tasks lambada_openai
 
@@ -38,13 +39,15 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from fibjax.errors import pip_install
+
 try:
     import lm_eval.models  # noqa: F401  (lm-eval imports its own models only into an empty registry)
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.utils import simple_parse_args_string
 except ModuleNotFoundError as e:
-    raise ModuleNotFoundError(f'fibjax.eval.harness needs EleutherAI\'s lm-eval: pip install -e ".[harness]" ({e})', name=e.name) from None
+    raise ModuleNotFoundError(f"fibjax.eval.harness needs EleutherAI's lm-eval: {pip_install('harness')} ({e})", name=e.name) from None
 
 from fibjax import kinds
 from fibjax.decode import GREEDY, Decoder, TextStreamer
