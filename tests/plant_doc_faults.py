@@ -50,7 +50,7 @@ PLANTS = [
         "\n- Again:\n" + _block("bash", "python -m launch.eval --workdir runs/tiny --lenghts 256", indent="    "),
     ),
     Plant("`python3 -m` with a misspelt flag", PAGE, None, _block("bash", "python3 -m launch.eval --workdir runs/tiny --lenghts 256")),
-    Plant("`/usr/bin/time -v` before a misspelt flag", PAGE, None, _block("bash", "/usr/bin/time -v python -m launch.train --no-progres")),
+    Plant("`/usr/bin/time -v` before a misspelt flag", PAGE, None, _block("bash", "/usr/bin/time -v python -m launch.train --no-progess")),
     Plant("a placeholder (`RUN`) in a command with a misspelt flag", PAGE, None, _block("bash", "python -m launch.eval --workdir RUN --lenghts 256")),
     Plant("a bad key after `--attention`", PAGE, None, _block("bash", "python -m launch.eval --workdir runs/tiny --attention kind=offset windw=8")),
     Plant("a bad key after `--rope`", PAGE, None, _block("bash", "python -m launch.eval --workdir runs/tiny --rope scaling=yarn factr=4 original_len=256")),
