@@ -248,7 +248,8 @@ def test_a_passkey_prompt_begins_with_bos_for_a_model_that_uses_it(tmp_path):
 @pytest.mark.slow
 def test_every_command_works_on_an_imported_model(tmp_path):
     """As the guide runs it: import, prepare text with the model's tokenizer, evaluate, sample,
-    and continue it with Fibonacci attention through init_from; then export the result."""
+    and continue it with Fibonacci attention through init_from; then export the result, and
+    import it again as a Fibonacci model."""
     model_dir = hf_models.handmade(tmp_path / "model")
     text, val = tmp_path / "text.txt", tmp_path / "val.txt"
     text.write_text(" ".join(hf_models.synthetic.TOKENIZER_TEXT * 20))
@@ -269,3 +270,5 @@ def test_every_command_works_on_an_imported_model(tmp_path):
     launch(*train, *overrides, "steps=4", "global_batch=8", "checkpoint.every_steps=2", "eval.every_steps=0", "eval.max_tokens=1024")
     launch("launch.export_hf", "--workdir", str(fib), str(tmp_path / "exported"))
     assert json.loads((tmp_path / "exported" / "config.json").read_text())["fibjax_attention"]["kind"] == "offset"
+    assert "offset attention" in launch("launch.import_hf", str(tmp_path / "exported"), "--workdir", str(tmp_path / "fib-again"))
+    assert load_run(tmp_path / "fib-again").cfg.model.attention == load_run(fib).cfg.model.attention

@@ -375,8 +375,9 @@ def test_the_summary_says_the_compute_dtype_beside_the_stored_one(tmp_path, caps
 
 @pytest.mark.slow
 def test_sigterm_during_an_import_exits_3_and_leaves_no_run(tmp_path):
-    """A model big enough that writing it takes a while; SIGTERM once its temporary directory
-    appears. launch.eval of the workdir then finds no run to advise training."""
+    """A model big enough that writing it takes a while; SIGTERM while Orbax writes its weights
+    into the temporary directory (the signal waits for the write, then the import cleans up).
+    launch.eval of the workdir then finds no run to advise training."""
     from tests.helpers import ROOT
 
     config = hf_models.synthetic.small_config(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8)
@@ -384,7 +385,7 @@ def test_sigterm_during_an_import_exits_3_and_leaves_no_run(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "launch.import_hf", str(model_dir), "--workdir", str(run)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    while child.poll() is None and not any(IMPORTING in p.name for p in tmp_path.iterdir()):
+    while child.poll() is None and not list(tmp_path.glob(f".run{IMPORTING}*/checkpoints/*")):  # Orbax is writing
         time.sleep(0.005)
     child.terminate()
     out, err = child.communicate(timeout=120)

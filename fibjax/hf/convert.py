@@ -16,12 +16,15 @@ shard's length, the tokenizer, an empty workdir); a failure is one :class:`Unsup
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import os
 import shutil
+import signal
 import socket
+import threading
 from pathlib import Path
 
 import jax
@@ -113,6 +116,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _signals_deferred():
+    """SIGTERM and SIGINT wait for the end of the block, then take their course (the caller's
+    handler, or the default): Orbax's asynchronous save, interrupted halfway, leaves its event
+    loop broken and prints tracebacks on the way out; after it, the import's cleanup runs."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread handles signals
+        yield
+        return
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
+
+
 def import_model(model_dir: str | Path, workdir: str | Path, *, seq_len: int | None = None, dtype: str | None = None, mesh=None) -> TrainConfig:
     """Import the Hugging Face model in ``model_dir`` into the new run ``workdir``; returns its config.
 
@@ -148,11 +170,12 @@ def import_model(model_dir: str | Path, workdir: str | Path, *, seq_len: int | N
         source = {"model_dir": str(model_dir), "model_type": hf["model_type"], "config": {k: hf[k] for k in CARRIED if k in hf}}
         token_files.write_json_atomically(tmp / SOURCE_FILE, source)
         largest = max(x.nbytes for x in jax.tree.leaves(params))
-        ckpt = Checkpointer(tmp, cfg.checkpoint, save_in_flight_bytes=max(largest + 2**20, IN_FLIGHT_BYTES))
-        try:
-            ckpt.save(0, {"params": params}, wait=True)
-        finally:
-            ckpt.close()
+        with _signals_deferred():
+            ckpt = Checkpointer(tmp, cfg.checkpoint, save_in_flight_bytes=max(largest + 2**20, IN_FLIGHT_BYTES))
+            try:
+                ckpt.save(0, {"params": params}, wait=True)
+            finally:
+                ckpt.close()
         if workdir.exists():
             workdir.rmdir()  # empty (checked above); rename cannot replace a directory on every system
         tmp.rename(workdir)
