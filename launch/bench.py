@@ -52,12 +52,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="the Pallas rows' BlockSizes (default: BlockSizes())")
     p.add_argument(
+        "--pallas-variants",
+        type=comma_list(str),
+        default=None,
+        metavar="NAME,...",
+        help="time these variants of the block-sparse Pallas kernels side by side, each a row block_sparse_pallas:NAME in place of "
+        "block_sparse_pallas (default: the plain row), with its ratio over the plain kernels; names: fibjax/attention/pallas/block_kernels.py VARIANTS",
+    )
+    p.add_argument(
         "--phases",
         action="store_true",
         help="also time the block-sparse paths among --paths in phases (selection, layout, attention, merge; fibjax/bench/phases.py)",
     )
     p = sub.add_parser("kernels", help="the Pallas kernels against the XLA path on this platform, then their block sizes timed", **defaults)
     p.add_argument("--small", action="store_true", help="two small cases and no sweep: the check itself, in interpret mode on CPU")
+    p.add_argument("--sweep-only", action="store_true", help="no comparison: only the block-size sweep")
     p.add_argument("--pallas-blocks", type=_ints, default=None, metavar="BQ,BK[,WARPS,STAGES]", help="BlockSizes of the comparison (default: BlockSizes())")
     p.add_argument("--sweep", default="64,64;128,128;128,128,8;32,64", help="candidate BlockSizes for the sweep, ';'-separated BQ,BK[,WARPS,STAGES]")
     p.add_argument("--sweep-seq", type=int, default=16384, help="sequence length of the sweep (0: no sweep)")
@@ -117,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         blocks = BlockSizes(*args.pallas_blocks) if args.pallas_blocks else BlockSizes()
         candidates = [BlockSizes(*_ints(c)) for c in args.sweep.split(";") if c]
         cases, sweep_seq = (kernels.SMALL_CASES, 0) if args.small else (kernels.CASES, args.sweep_seq)
+        if args.sweep_only:
+            if args.small or not args.sweep_seq:
+                parser.error("--sweep-only needs a sweep: --sweep-seq > 0 and no --small")
+            cases = ()
         return kernels.run(cases, blocks, sweep_seq, candidates, args.dtype, args.repeats)
     if args.what == "formulations":
         from fibjax.bench import formulations
@@ -134,8 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         parser.error(str(e))
     paths = [x for x in (args.paths or ",".join(attn_bench.default_paths())).split(",") if x]
-    known = [*attn_bench.PATHS, *attn_bench.EXTERNAL]
-    if unknown := sorted(set(paths) - set(known)):
+    if args.pallas_variants:
+        from fibjax.attention.pallas.block_kernels import VARIANTS
+
+        if unknown := sorted(set(args.pallas_variants) - set(VARIANTS)):
+            parser.error(f"unknown --pallas-variants {unknown}; known: {list(VARIANTS)}")
+        paths = attn_bench.with_variants(paths, args.pallas_variants)
+    if unknown := sorted(p for p in set(paths) if not attn_bench.known(p)):
+        known = [*attn_bench.PATHS, *attn_bench.EXTERNAL, f"{attn_bench.VARIANT_PATH}:VARIANT"]
         parser.error(f"unknown path(s) {unknown}; known: {known}")
     if args.rounds < 1 or args.repeats < 1:
         parser.error(f"--rounds and --repeats must be >= 1 (got {args.rounds}, {args.repeats})")
@@ -158,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         from fibjax.bench import phases
 
         for case, _ in rows:
-            timed = [p for p in paths if p in phases.PHASE_PATHS]
+            timed = [p for p in paths if phases.timed_here(p)]
             print(f"\nphases, seq {case.seq_len}: {timed or 'no block-sparse path among --paths'}", flush=True)
             if timed:
                 print(phases.table(case, phases.run(case, timed, args.repeats, rounds=args.rounds)))

@@ -83,6 +83,19 @@ def test_attention_bench_times_the_block_sparse_kernel(capsys):
     assert re.search(r"\| 64 \| block_sparse_pallas / block_sparse \| [\d.]+ \| [\d.]+ \|", capsys.readouterr().out)
 
 
+def test_attention_bench_times_kernel_variants_side_by_side(capsys):
+    """``--pallas-variants``: one block_sparse_pallas row per variant in one run (the plain name for
+    the default), each variant's time over the default's; an unknown name is refused."""
+    argv = ["attention", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats", "1", "--pallas-blocks", "32,32"]
+    assert bench.main([*argv, "--paths", "block_sparse_pallas", "--pallas-variants", "default,skip_padding"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"\| 64 \| ([\w:]+) \| [\d.]+ \| [\d.]+ \|", out) == ["block_sparse_pallas", "block_sparse_pallas:skip_padding"]
+    assert re.search(r"\| 64 \| block_sparse_pallas:skip_padding / block_sparse_pallas \| [\d.]+ \| [\d.]+ \|", out)
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--pallas-variants", "default,fastest"])
+    assert "unknown --pallas-variants ['fastest']" in capsys.readouterr().err
+
+
 def test_train_bench_times_its_configs_in_rounds(monkeypatch, capsys):
     """Every config is compiled before any is timed, then each round times every config in turn."""
     from fibjax.bench import train as train_bench

@@ -15,7 +15,10 @@ and dense (GPU, 16-bit dtypes only). ``torch_sdpa`` is PyTorch's fused causal
 installed: ``pip install torch``); ``dense / torch_sdpa`` is the dense XLA path's distance from it. GB/s and TFLOP/s are the compulsory HBM traffic and
 the useful arithmetic of ``roofline`` over the time, and ``/ ref`` the time over the dense
 reference row's (cuDNN on a GPU, else the XLA dense path).
-``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
+``block_sparse_pallas:VARIANT`` is that row with the kernels' variant VARIANT (a name of
+``block_kernels.VARIANTS``: the same attention done another way, issue 53); each such row is
+also printed over the plain ``block_sparse_pallas`` row (``launch.bench attention
+--pallas-variants``). ``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
 share of the heads (``_per_head_shard``): XLA:CPU gives each device a thread of its own, which
 uses a machine's cores better than the threads within one device (BUILD_NOTES, "Dense").
 """
@@ -31,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from fibjax import attention
 from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, offset_attention_pallas
+from fibjax.attention.pallas.block_kernels import VARIANTS, BlockKernelOptions
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.attention.sharded import HEAD_AXIS
 from fibjax.bench import roofline, torch_sdpa
@@ -82,9 +86,9 @@ def _learned_pallas(case: Case) -> Callable:
     return lambda q, k, v, alpha: interpolated_attention_pallas(q, k, v, window=case.window, base="fibonacci", alpha=alpha, block_sizes=case.block_sizes)
 
 
-def _block_sparse_pallas(case: Case) -> Callable:
+def _block_sparse_pallas(case: Case, options: BlockKernelOptions | None = None) -> Callable:
     blocks = dict(block_size=case.sparse_block, num_blocks=case.sparse_blocks)
-    return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, **blocks, block_sizes=case.block_sizes)
+    return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, **blocks, block_sizes=case.block_sizes, options=options)
 
 
 def _cudnn(case: Case) -> Callable:
@@ -173,6 +177,42 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "mosaic_flash": _mosaic_flash,
 }
 FORWARD_ONLY = frozenset({"mosaic_flash"})
+VARIANT_PATH = "block_sparse_pallas"  # the path whose kernels come in variants: "block_sparse_pallas:gather"
+
+
+def split_variant(name: str) -> tuple[str, str | None]:
+    """("block_sparse_pallas", "gather") of "block_sparse_pallas:gather"; (name, None) of a plain path."""
+    base, _, variant = name.partition(":")
+    return base, variant or None
+
+
+def builder(name: str) -> Callable[[Case], Callable]:
+    """The builder of a path of ``PATHS`` or of a variant row ``block_sparse_pallas:VARIANT``."""
+    base, variant = split_variant(name)
+    if variant is None:
+        return PATHS[name]
+    if base != VARIANT_PATH or variant not in VARIANTS:
+        raise KeyError(f"{name!r}: variants are {VARIANT_PATH}:NAME with NAME one of {list(VARIANTS)}")
+    return lambda case: _block_sparse_pallas(case, VARIANTS[variant])
+
+
+def known(name: str) -> bool:
+    try:
+        return name in EXTERNAL or bool(builder(name))
+    except KeyError:
+        return False
+
+
+def with_variants(paths: list[str], variants: list[str]) -> list[str]:
+    """``paths`` with the ``block_sparse_pallas`` row replaced by one row per kernel variant (the
+    plain name for "default"), or those rows added at the end."""
+    rows = [VARIANT_PATH if v == "default" else f"{VARIANT_PATH}:{v}" for v in variants]
+    if VARIANT_PATH not in paths:
+        return [*paths, *rows]
+    at = paths.index(VARIANT_PATH)
+    return [*paths[:at], *rows, *paths[at + 1 :]]
+
+
 # paths timed outside JAX: name -> (available(), measure(q, k, v, repeats) -> {mode: Measurement})
 EXTERNAL = {"torch_sdpa": (torch_sdpa.available, torch_sdpa.timers)}
 # (numerator, denominator) pairs printed as ratios of times; issue 8's GPU targets:
@@ -269,7 +309,7 @@ def run(
             timers.update({(name, mode): t for mode, t in external_timers(q, k, v).items()})
             continue
         try:
-            f = PATHS[name](case)
+            f = builder(name)(case)
             if mesh is not None:
                 if name.endswith("_pallas"):
                     raise Unavailable("--cpu-devices times the XLA paths only")
@@ -310,7 +350,7 @@ def table(rows: list[tuple[Case, dict]]) -> str:
         for name in dict.fromkeys(n for n, _ in res):
             got = {m: res.get((name, m)) for m in modes}
             ms = [f"{got[m].ms:.3f}" if got[m] else "-" for m in modes]
-            rates = {m: roofline.achieved(case, name, m, got[m].ms) if got[m] else None for m in modes}
+            rates = {m: roofline.achieved(case, split_variant(name)[0], m, got[m].ms) if got[m] else None for m in modes}
             gbs = [f"{rates[m][0]:.3g}" if rates[m] else "-" for m in modes]
             tfs = [f"{rates[m][1]:.3g}" if rates[m] else "-" for m in modes]
             rel = [f"{ratio(got[m], res[(ref, m)]):.3f}" if got[m] and (ref, m) in res else "-" for m in modes]
@@ -319,7 +359,8 @@ def table(rows: list[tuple[Case, dict]]) -> str:
     refs = sorted({ref for _, res in rows if (ref := reference(res))})
     lines += ["", f"/ ref: over {' and '.join(refs) or 'nothing (no dense row)'}", "", "| seq | ratio | fwd | fwd+bwd |", "|---:|---|---:|---:|"]
     for case, res in rows:
-        for num, den in RATIOS:
+        variants = [(name, VARIANT_PATH) for name in dict.fromkeys(n for n, _ in res) if split_variant(name)[1]]
+        for num, den in [*RATIOS, *variants]:
             r = [f"{ratio(res[(num, m)], res[(den, m)]):.3f}" if (num, m) in res and (den, m) in res else "-" for m in modes]
             if r != ["-", "-"]:
                 lines.append(f"| {case.seq_len} | {num} / {den} | {r[0]} | {r[1]} |")

@@ -113,8 +113,9 @@ def compare(case: KernelCase, blocks: BlockSizes) -> list[str]:
 
 
 def sweep(seq_len: int, candidates: list[BlockSizes], dtype: str, repeats: int) -> BlockSizes | None:
-    """Time static + learned Pallas fwd+bwd at ``seq_len`` for each candidate; the fastest that ran."""
-    best = None
+    """Time static + learned Pallas fwd+bwd at ``seq_len`` for each candidate, each also over the
+    first candidate that ran (the same process, one after the other); the fastest that ran."""
+    best = first = None
     for blocks in candidates:
         case = attn_bench.Case(seq_len=seq_len, kv_heads=8, dtype=dtype, block_sizes=blocks)
         q, k, v = attn_bench.inputs(case)
@@ -126,7 +127,8 @@ def sweep(seq_len: int, candidates: list[BlockSizes], dtype: str, repeats: int) 
         except Exception as e:
             print(f"{blocks}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
             continue
-        print(f"{blocks}: fwd+bwd ms static {ms[0]:.3f} learned {ms[1]:.3f}", flush=True)
+        first = first or ms
+        print(f"{blocks}: fwd+bwd ms static {ms[0]:.3f} learned {ms[1]:.3f}; / first {ms[0] / first[0]:.3f} {ms[1] / first[1]:.3f}", flush=True)
         if best is None or sum(ms) < best[0]:
             best = (sum(ms), blocks)
     return None if best is None else best[1]

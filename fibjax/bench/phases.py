@@ -32,8 +32,9 @@ from fibjax.attention import block_sparse as bs
 from fibjax.attention.common import finish
 from fibjax.attention.pallas import backend as be
 from fibjax.attention.pallas import block_ops
+from fibjax.attention.pallas.block_kernels import VARIANTS, BlockKernelOptions
 from fibjax.bench import roofline
-from fibjax.bench.attention import PATHS, Case, inputs
+from fibjax.bench.attention import Case, builder, inputs, split_variant
 from fibjax.bench.timing import Measurement, Timer
 
 PHASE_PATHS = ("block_sparse", "block_sparse_pallas")
@@ -77,9 +78,9 @@ def _xla(case: Case) -> tuple[list[Stage], list[Stage]]:
     return forward, backward
 
 
-def _pallas(case: Case) -> tuple[list[Stage], list[Stage]]:
+def _pallas(case: Case, options: BlockKernelOptions = VARIANTS["default"]) -> tuple[list[Stage], list[Stage]]:
     """``block_sparse_pallas``: ``block_ops``' layout -> kernels -> merge, both passes."""
-    spec = block_ops._Spec(case.sparse_block, case.seq_len, case.block_sizes.fit(case.seq_len), be.resolve(None))
+    spec = block_ops._Spec(case.sparse_block, case.seq_len, case.block_sizes.fit(case.seq_len), be.resolve(None), options)
     tiled = ("tiles", "pos", "qt", "kk", "vk")
     forward = [
         _selection(case),
@@ -97,6 +98,16 @@ def _pallas(case: Case) -> tuple[list[Stage], list[Stage]]:
 
 
 STAGES: dict[str, Callable[[Case], tuple[list[Stage], list[Stage]]]] = {"block_sparse": _xla, "block_sparse_pallas": _pallas}
+
+
+def timed_here(path: str) -> bool:
+    """Whether ``path`` (a kernel variant row too: ``block_sparse_pallas:gather``) has phases."""
+    return split_variant(path)[0] in PHASE_PATHS
+
+
+def stages(case: Case, path: str) -> tuple[list[Stage], list[Stage]]:
+    base, variant = split_variant(path)
+    return _pallas(case, VARIANTS[variant]) if variant else STAGES[base](case)
 
 
 def cotangents(env: dict) -> dict:
@@ -132,13 +143,13 @@ def start(case: Case) -> dict:
 
 def timers(case: Case, path: str) -> dict[tuple[str, str], Timer]:
     """{(pass, phase): Timer} for every stage of ``path`` and each pass whole (``WHOLE``)."""
-    forward, backward = STAGES[path](case)
+    forward, backward = stages(case, path)
     fwd, bwd = {}, {}
     env = walk(forward, start(case), fwd)
     walk(backward, {**env, **cotangents(env)}, bwd)
     out = {**{("fwd", ph): t for ph, t in fwd.items()}, **{("bwd", ph): t for ph, t in bwd.items()}}
     q, k, v, alpha = env["q"], env["k"], env["v"], jnp.float32(case.alpha)
-    f = PATHS[path](case)
+    f = builder(path)(case)
     _, vjp = jax.jit(lambda q, k, v: jax.vjp(lambda *x: f(*x, alpha), q, k, v))(q, k, v)
     out[("fwd", WHOLE)] = Timer(f, q, k, v, alpha)
     out[("bwd", WHOLE)] = Timer(lambda vjp, do: vjp(do), vjp, jnp.ones_like(q))
@@ -162,7 +173,7 @@ def run(case: Case, paths: list[str], repeats: int, rounds: int = 1) -> dict[tup
 
 
 def flops_of(case: Case, path: str) -> dict[tuple[str, str], int]:
-    forward, backward = STAGES[path](case)
+    forward, backward = stages(case, path)
     return {**{("fwd", s.phase): s.flops for s in forward}, **{("bwd", s.phase): s.flops for s in backward}}
 
 
