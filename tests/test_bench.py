@@ -96,6 +96,27 @@ def test_attention_bench_times_kernel_variants_side_by_side(capsys):
     assert "unknown --pallas-variants ['fastest']" in capsys.readouterr().err
 
 
+def test_window_rows_attend_as_many_keys_per_query_as_the_static_rows(capsys):
+    """The window kind's XLA row at W = the static rows' keys per query (cudnn_window: skipped off a
+    GPU), the same attended pairs in the FLOP model, and static / window printed."""
+    from fibjax.bench import attention as attn_bench
+    from fibjax.bench import roofline
+
+    case = attn_bench.Case(seq_len=4096)
+    assert case.window_keys == len(case.distances) > case.window + 1
+    assert roofline.pairs(case, "window") == roofline.pairs(case, "cudnn_window")
+    assert abs(roofline.pairs(case, "window") / roofline.pairs(case, "static") - 1) < 0.1  # equal keys but for the first rungs' queries
+    assert (
+        bench.main(
+            ["attention", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--paths", "static,window,cudnn_window", "--repeats", "1"]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "cudnn_window: skipped" in captured.err
+    assert re.search(r"\| 64 \| static / window \| [\d.]+ \| [\d.]+ \|", captured.out)
+
+
 def test_train_bench_times_its_configs_in_rounds(monkeypatch, capsys):
     """Every config is compiled before any is timed, then each round times every config in turn."""
     from fibjax.bench import train as train_bench

@@ -18,7 +18,10 @@ reference row's (cuDNN on a GPU, else the XLA dense path).
 ``block_sparse_pallas:VARIANT`` is that row with the kernels' variant VARIANT (a name of
 ``block_kernels.VARIANTS``: the same attention done another way, issue 53); each such row is
 also printed over the plain ``block_sparse_pallas`` row (``launch.bench attention
---pallas-variants``). ``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
+--pallas-variants``). ``window`` is the sliding-window kind's XLA path (``fibjax.attention.window``) and ``cudnn_window``
+cuDNN's sliding window (``local_window_size``; GPU, 16-bit), both over ``Case.window_keys``: as many
+keys per query as the static offset rows attend, so ``static / window`` compares the two at equal
+keys per query. ``--cpu-devices N`` (``cpu_head_mesh``) runs the JAX paths on N CPU devices, each computing its
 share of the heads (``_per_head_shard``): XLA:CPU gives each device a thread of its own, which
 uses a machine's cores better than the threads within one device (BUILD_NOTES, "Dense").
 """
@@ -37,6 +40,7 @@ from fibjax.attention.pallas import BlockSizes, interpolated_attention_pallas, o
 from fibjax.attention.pallas.block_kernels import VARIANTS, BlockKernelOptions
 from fibjax.attention.pallas.block_ops import block_sparse_attention_pallas
 from fibjax.attention.sharded import HEAD_AXIS
+from fibjax.attention.window import cudnn_window, window_attention
 from fibjax.bench import roofline, torch_sdpa
 from fibjax.bench.timing import Measurement, Timer, ratio
 
@@ -65,6 +69,11 @@ class Case:
         """The static rows' attended distances: the window and the Fibonacci rungs at ``alpha``."""
         return attention.attended_distances(window=self.window, base="fibonacci", alpha=self.alpha, seq_len=self.seq_len)
 
+    @property
+    def window_keys(self) -> int:
+        """The window rows' W: the keys per query of the static rows (a query past the last rung)."""
+        return len(self.distances)
+
 
 def _dense(case: Case) -> Callable:
     return lambda q, k, v, alpha: attention.dense_attention(q, k, v)
@@ -89,6 +98,15 @@ def _learned_pallas(case: Case) -> Callable:
 def _block_sparse_pallas(case: Case, options: BlockKernelOptions | None = None) -> Callable:
     blocks = dict(block_size=case.sparse_block, num_blocks=case.sparse_blocks)
     return lambda q, k, v, alpha: block_sparse_attention_pallas(q, k, v, **blocks, block_sizes=case.block_sizes, options=options)
+
+
+def _window(case: Case) -> Callable:
+    return lambda q, k, v, alpha: window_attention(q, k, v, window=case.window_keys, implementation="xla")
+
+
+def _cudnn_window(case: Case) -> Callable:
+    _need_gpu_16bit(case, "cudnn_window")
+    return lambda q, k, v, alpha: cudnn_window(q, k, v, case.window_keys)
 
 
 def _cudnn(case: Case) -> Callable:
@@ -169,10 +187,12 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "learned_frozen": _learned_frozen,
     "block_sparse": _block_sparse,
     "nsa": _nsa,
+    "window": _window,
     "static_pallas": _static_pallas,
     "learned_pallas": _learned_pallas,
     "block_sparse_pallas": _block_sparse_pallas,
     "cudnn": _cudnn,
+    "cudnn_window": _cudnn_window,
     "triton_flash": _triton_flash,
     "mosaic_flash": _mosaic_flash,
 }
@@ -234,6 +254,10 @@ RATIOS: list[tuple[str, str]] = [
     ("block_sparse_pallas", "cudnn"),
     ("triton_flash", "cudnn"),
     ("mosaic_flash", "cudnn"),
+    ("static", "window"),  # the offset and window paths at equal keys per query (Case.window_keys)
+    ("static", "cudnn_window"),
+    ("static_pallas", "cudnn_window"),
+    ("window", "cudnn_window"),
     ("static_pallas", "dense"),  # on TPU, dense is JAX's Pallas flash attention (fibjax/attention/fused.py)
 ]
 

@@ -60,6 +60,8 @@ def pairs(case, path: str) -> int:
         return t * (t + 1) // 2
     if path in ("static", "static_pallas"):
         return _rows_from(t, case.distances)
+    if path in ("window", "cudnn_window"):
+        return _rows_from(t, range(case.window_keys))
     if path in LEARNED:
         return _rows_from(t, range(case.window + 1)) + _rows_from(t, _active_rungs(case))
     if path in ("block_sparse", "block_sparse_pallas"):
