@@ -1,6 +1,6 @@
 """The decoder-only LM (Flax NNX): RMSNorm pre-norm, SwiGLU, RoPE, GQA, tied (or untied) embeddings.
 
-Attention per layer comes from :class:`fibjax.config.AttentionConfig`. The model has no
+Attention per layer comes from [AttentionConfig][fibjax.config.AttentionConfig]. The model has no
 length-dependent parameters: static offsets and pow2 rungs are derived from the length a
 call runs at, so the same weights run at 1x, 2x or 4x the training length.
 

@@ -12,7 +12,7 @@ their wall times to ``RUN/study_time.json``.
 
 A study outlives the machine it ran on: ``RESULTS/study.json`` (small, committed) keeps every
 finished run's evaluation files and curves. On a machine without a run's directory,
-:func:`restore_recorded` writes them back into it, so the run counts as done and stays in the
+``restore_recorded`` writes them back into it, so the run counts as done and stays in the
 report instead of being trained again (its checkpoints are not kept, so nothing more can be
 evaluated from it there).
 """
@@ -187,7 +187,7 @@ def _median(values: list[float]) -> float | None:
 
 
 def run_status(study: Study, run: StudyRun, record: dict | None = None) -> RunStatus:
-    """The run's state from its directory; with ``record`` (:func:`read_record`), a run this
+    """The run's state from its directory; with ``record`` (``read_record``), a run this
     machine lacks counts as done if the record says so. Reads only: nothing is written."""
     cfg = study.train_config(run)
     run_dir = study.run_dir(run)

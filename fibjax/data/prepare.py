@@ -8,7 +8,7 @@ leaves a directory that looks complete; a full disk ends it with one DataError n
 directory and its free space.
 
 Validation: a source's ``val`` inputs when given; otherwise a deterministic ``val_fraction`` of
-its documents, chosen by content hash (:func:`fibjax.data.sources.is_held_out`).
+its documents, chosen by content hash (``fibjax.data.sources.is_held_out``).
 Budgets: ``max_docs`` bounds the documents read from each input stream, ``max_tokens`` stops a
 split once it holds at least that many tokens (the last document is kept whole).
 """
@@ -109,11 +109,11 @@ def prepare(
     progress: bool = True,
     redo: str | None = None,
 ) -> dict:
-    """Prepare ``out_dir`` from ``sources`` ({name: spec}, see :mod:`fibjax.data.sources`).
+    """Prepare ``out_dir`` from ``sources`` ({name: spec}, see ``fibjax.data.sources``).
 
     ``val`` maps names to validation specs; a name that is not a training source becomes a
     validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` (anything
-    :func:`load_tokenizer` takes: a ``.model``, a ``tokenizer.json``, a Hugging Face model
+    [load_tokenizer][fibjax.data.load_tokenizer] takes: a ``.model``, a ``tokenizer.json``, a Hugging Face model
     directory) is used instead of training one of ``vocab_size`` pieces. ``redo`` says how to prepare
     damaged data again where ``--overwrite`` is not the caller's flag. Returns the meta dict."""
     out_dir, val = Path(out_dir), dict(val or {})

@@ -1,6 +1,6 @@
 """The prepared-data directory: flat token files and the ``meta.json`` that vouches for them.
 
-Layout written by :mod:`fibjax.data.prepare`::
+Layout written by ``fibjax.data.prepare``::
 
     DIR/tokenizer.model         the tokenizer every token file was encoded with: a SentencePiece
       or DIR/tokenizer.json     model or a Hugging Face tokenizer.json (meta.json names which),
@@ -169,7 +169,7 @@ def _check_size(path: Path, tokens: int, dtype: np.dtype) -> None:
 
 
 def open_tokens(data_dir: str | os.PathLike, meta: dict, name: str, split: str) -> np.memmap:
-    """A read-only memmap of one token file (``meta`` from :func:`load_meta`)."""
+    """A read-only memmap of one token file (``meta`` from [load_meta][fibjax.data.load_meta])."""
     sources = meta["sources"]
     if name not in sources:
         raise DataError(f"unknown source {name!r} in {str(data_dir)!r}; it has {sorted(sources)}")

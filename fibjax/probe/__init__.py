@@ -5,3 +5,5 @@ distances, band centres) · ``cell`` (one condition x depth: the library's model
 step on a task) · ``grid`` (the experiments, resumable) · ``report`` (tables and plots).
 Entry point: ``python -m launch.probe``.
 """
+
+__all__: list[str] = []  # tools behind their launch entry point, not a library surface

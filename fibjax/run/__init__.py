@@ -12,6 +12,30 @@ RUN/metrics.jsonl            a row per step and per validation (its curve keys) 
 
 ``load.py`` loads a run's parameters and tokenizer for evaluation and decoding. Training
 (``fibjax.train``), evaluation (``fibjax.eval``) and decoding (``fibjax.decode``) all sit on
-top of this package; it imports none of them. Import the modules themselves (this package
-imports nothing, so reading a run's config does not load Orbax or JAX).
+top of this package; it imports none of them. Importing the package loads nothing (reading a
+run's config does not load Orbax or JAX); its names load their module when first used.
 """
+
+from typing import TYPE_CHECKING
+
+from fibjax._exports import lazy_exports
+
+if TYPE_CHECKING:
+    from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
+    from fibjax.run.load import LoadedRun, load_run
+    from fibjax.run.lock import WorkdirInUse, WorkdirLock
+    from fibjax.run.workdir import CheckpointError, load_run_config
+
+_HOMES = {
+    "Checkpointer": "fibjax.run.checkpoints",
+    "DamagedCheckpoint": "fibjax.run.checkpoints",
+    "LoadedRun": "fibjax.run.load",
+    "load_run": "fibjax.run.load",
+    "WorkdirInUse": "fibjax.run.lock",
+    "WorkdirLock": "fibjax.run.lock",
+    "CheckpointError": "fibjax.run.workdir",
+    "load_run_config": "fibjax.run.workdir",
+}
+# the same names as _HOMES (tests/test_public_api.py)
+__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpoint", "LoadedRun", "WorkdirInUse", "WorkdirLock", "load_run", "load_run_config"]
+__getattr__ = lazy_exports(__name__, _HOMES)

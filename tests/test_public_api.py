@@ -1,0 +1,147 @@
+"""fibjax's public surface is explicit and recorded: each package's ``__all__`` (the lazy ones
+resolve every name), the API reference shows exactly it, and a change that breaks 0.1's surface
+(a public name, parameter or method gone, a parameter made required or moved) fails unless
+CHANGELOG.md announces it by name.
+
+The record, tests/api/fibjax-0.1.json, is read from the source by griffe (the static analysis
+behind the API reference): every public object's kind and signature, and a class's public
+methods. After an announced break, write it again:
+
+    python -m tests.test_public_api --write
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+
+import griffe
+import pytest
+
+from tests.helpers import ROOT
+
+RECORD = ROOT / "tests" / "api" / "fibjax-0.1.json"
+API_PAGE = ROOT / "docs" / "reference" / "api.md"
+LAZY_PACKAGES = ["fibjax.train", "fibjax.eval", "fibjax.run"]
+# fibjax.kinds has no __all__ yet (its owner applies it, issue 54); until then, this is its surface
+KINDS_PUBLIC = ["AttentionKind", "DEFAULT_SPARSE", "FULL", "KV", "LayerPlan", "get", "kind_of", "names", "register", "unregister"]
+
+
+def package_all(name: str) -> list[str]:
+    module = importlib.import_module(name)
+    return list(getattr(module, "__all__", KINDS_PUBLIC if name == "fibjax.kinds" else []))
+
+
+def page_members() -> dict[str, list[str]]:
+    """module -> the members the API page lists for it (``options: members: [...]``)."""
+    text = API_PAGE.read_text()
+    return {m[0]: [n.strip() for n in m[1].split(",")] for m in re.findall(r"^::: ([\w.]+)\n    options:\n      members: \[([^\]]*)\]", text, flags=re.M)}
+
+
+def public_paths() -> list[str]:
+    """The dotted path of every public object: the packages' ``__all__`` and the modules the page lists."""
+    import fibjax
+
+    paths = []
+    for sub in fibjax.__all__:
+        module = importlib.import_module(f"fibjax.{sub}") if sub not in ("__version__", "attention", "kinds") else None
+        if module is not None and hasattr(module, "__path__"):
+            paths += [f"fibjax.{sub}.{name}" for name in package_all(f"fibjax.{sub}")]
+    # attention and kinds load their names lazily, unseen by griffe: their defining modules, as the page lists them
+    # (test_the_api_page_shows_exactly_the_public_surface checks those lists against the packages' names)
+    homes = ("fibjax.model", "fibjax.config", "fibjax.attention.", "fibjax.kinds.")
+    paths += [f"{module}.{name}" for module, names in page_members().items() if module.startswith(homes) for name in names]
+    return sorted(paths)
+
+
+def test_lazy_packages_resolve_every_name_they_export():
+    for name in LAZY_PACKAGES:
+        module = importlib.import_module(name)
+        assert sorted(module.__all__) == sorted(module._HOMES), name
+        assert all(getattr(module, each) is not None for each in module.__all__)
+        with pytest.raises(AttributeError, match="no attribute 'way_on'"):
+            module.way_on  # noqa: B018
+
+
+def test_the_api_page_shows_exactly_the_public_surface():
+    """Packages are rendered whole (mkdocstrings shows their ``__all__``); where the page lists a
+    module's members, the lists add up to the package's ``__all__``."""
+    text = API_PAGE.read_text()
+    listed = page_members()
+    for package in ("fibjax.attention", "fibjax.kinds"):
+        shown = sorted(n for module, names in listed.items() if module.startswith(f"{package}.") for n in names)
+        assert shown == sorted(package_all(package)), package
+    import fibjax
+
+    whole = [f"fibjax.{sub}" for sub in fibjax.__all__ if sub not in ("__version__", "attention", "kinds", "model", "config")]
+    assert [p for p in whole if not re.search(rf"^::: {re.escape(p)}$", text, flags=re.M)] == []
+    assert "way_on" not in text and "run_bounds" not in text
+
+
+def signature(obj) -> dict:
+    """What a caller relies on: kind, parameters (name, kind, has a default); a class's public methods."""
+    obj = obj.final_target if isinstance(obj, griffe.Alias) else obj
+    if obj.is_function:
+        return {"kind": "function", "parameters": [[p.name, p.kind.value, p.default is not None] for p in obj.parameters if p.name not in ("self", "cls")]}
+    if obj.is_class:
+        init = obj.members.get("__init__")
+        members = {name: signature(m) for name, m in obj.members.items() if not name.startswith("_") and not isinstance(m, griffe.Alias) and m.is_function}
+        return {"kind": "class", "parameters": signature(init)["parameters"] if init is not None and init.is_function else [], "methods": members}
+    return {"kind": obj.kind.value}
+
+
+def surface() -> dict:
+    package = griffe.load("fibjax", search_paths=[str(ROOT)], resolve_aliases=True, resolve_external=False)
+    return {path: signature(package[path.removeprefix("fibjax.")]) for path in public_paths()}
+
+
+def breaks(old: dict, new: dict, path: str = "") -> list[str]:
+    """Each way ``new`` breaks a caller of ``old``."""
+    found = []
+    if old["kind"] != new["kind"]:
+        return [f"{path}: was a {old['kind']}, now a {new['kind']}"]
+    before = {p[0]: (i, p) for i, p in enumerate(old.get("parameters", []))}
+    after = {p[0]: (i, p) for i, p in enumerate(new.get("parameters", []))}
+    for name, (i, (_, kind, default)) in before.items():
+        if name not in after:
+            found.append(f"{path}: parameter {name} removed")
+            continue
+        j, (_, new_kind, new_default) = after[name]
+        if new_kind != kind or (kind.startswith("positional") and i != j):
+            found.append(f"{path}: parameter {name} moved or changed kind")
+        if default and not new_default:
+            found.append(f"{path}: parameter {name} now required")
+    for name, (_, (_, kind, default)) in after.items():
+        if name not in before and not default and "variadic" not in kind:
+            found.append(f"{path}: new required parameter {name}")
+    for name, method in old.get("methods", {}).items():
+        found += [f"{path}.{name}: removed"] if name not in new.get("methods", {}) else breaks(method, new["methods"][name], f"{path}.{name}")
+    return found
+
+
+def test_no_unannounced_break_of_the_recorded_surface():
+    old, new = json.loads(RECORD.read_text()), surface()
+    problems = [f"{path}: removed" for path in old if path not in new]
+    problems += [b for path in old if path in new for b in breaks(old[path], new[path], path)]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    unannounced = [p for p in problems if p.split(":")[0].rsplit(".", 1)[-1] not in changelog]
+    assert unannounced == [], "announce each in CHANGELOG.md by name, then: python -m tests.test_public_api --write"
+
+
+def test_a_break_is_found():
+    a, b = ["a", "positional or keyword", False], ["b", "keyword-only", False]
+    save = {"kind": "function", "parameters": [["step", "positional or keyword", True]]}
+    old = {"kind": "class", "parameters": [a], "methods": {"save": save}}
+    new = {"kind": "class", "parameters": [a, b], "methods": {"save": {"kind": "function", "parameters": [["step", "positional or keyword", False]]}}}
+    assert breaks(old, new, "X") == ["X: new required parameter b", "X.save: parameter step now required"]
+    assert breaks(old, {**old, "methods": {}}, "X") == ["X.save: removed"]
+    assert breaks(old, old, "X") == []
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        RECORD.parent.mkdir(exist_ok=True)
+        RECORD.write_text(json.dumps(surface(), indent=1, sort_keys=True) + "\n")
+        print(f"written: {RECORD.relative_to(ROOT)}")
