@@ -179,6 +179,8 @@ def parse(module: str, words: list[str]) -> tuple[argparse.Namespace | None, str
     """(the parsed arguments, None), or (None, the error) the real parser of ``module`` gives.
     Words left over must be ``key=value`` overrides, and only where the command takes them."""
     parser = parser_of(module)
+    for each in [parser, *(c for a in parser._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values())]:
+        each.allow_abbrev = False  # a page shows the whole flag: `--workdi` would work today and break with a new flag
     words = ["run", *words] if module == "launch.harness" else words  # lm-eval's parser; harness implies its `run`
     err = io.StringIO()
     try:
