@@ -90,7 +90,7 @@ def _all_commands():
     for path in [p for p in SOURCES if p.suffix == ".py"]:
         for line, text in _strings(path):
             for command in MESSAGE_COMMAND.findall(text):
-                for module, words in _commands_in(command.split(" (")[0]):
+                for module, words in _commands_in(re.split(r" \(|, ", command)[0]):  # prose resumes after " (" or ", "
                     if not words:
                         continue
                     yield pytest.param(module, words, id=f"{_rel(path)}:{line}: {module} {' '.join(words)}"[:150])
@@ -165,7 +165,8 @@ def broken_target(page: Path, target: str) -> str | None:
 def test_links_resolve(page):
     targets, undefined = link_targets(page)
     broken = [problem for target in targets if (problem := broken_target(page, target))]
-    broken += [f"[...][{label}]: no definition" for label in undefined]
+    # [name][fibjax.x.y] is a cross-reference to the API page: mkdocs build --strict resolves it
+    broken += [f"[...][{label}]: no definition" for label in undefined if not label.startswith("fibjax.")]
     assert not broken
 
 
