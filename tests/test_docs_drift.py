@@ -297,7 +297,8 @@ def test_config_name_pattern_matches_the_config_files():
 
 # --- timings: one page owns each figure -----------------------------------------------------------
 
-# a topic's wall-clock figures appear on one page; the others link to it
+# a topic's wall-clock figures appear on one page; the others link to it (a sentence naming the topic
+# and a duration quotes a timing)
 TIMING_OWNERS = {
     "the main job": (re.compile(r"python -m launch\.train`? (?:with no arguments|takes|took|ran|runs)|the main job", re.I), "docs/getting-started.md"),
     "the fast tier": (re.compile(r"fast tier[^.]{0,80}?\b(?:took|takes|ran in|runs in|in \d)|-m \"not slow\"", re.I), "docs/dev/testing.md"),
@@ -313,8 +314,9 @@ def quoted_timings(topic: str) -> list[str]:
     quoted = []
     for page in [p for p in PAGES if _rel(p) != owner and p != LOG]:
         for paragraph in page.read_text().split("\n\n"):
-            if pattern.search(paragraph) and (duration := DURATION.search(paragraph)):
-                quoted.append(f"{_rel(page)}: {duration.group(0)}")
+            for sentence in re.split(r"(?<=[.!?])\s+", " ".join(paragraph.split())):  # a timing of the topic: in one sentence
+                if pattern.search(sentence) and (duration := DURATION.search(sentence)):
+                    quoted.append(f"{_rel(page)}: {duration.group(0)}")
     return quoted
 
 
