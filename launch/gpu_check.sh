@@ -13,13 +13,18 @@
 #      lse, all grads; fp32 T=1000 at full precision, bf16 T=4096 GQA (python -m launch.bench kernels);
 #   2. the 16k rows: the offset paths at K=8 (cudnn, static, static_pallas, learned_pallas), then
 #      block-sparse at K=2 (cudnn, block_sparse, block_sparse_pallas, nsa) with --phases;
+#      then (issue 53) the block-sparse kernels' variants side by side at 16k, K=2, each over the
+#      default kernels in the same run (2c), and the offset kernels' block sizes in a short sweep,
+#      each candidate over the first, the default (2d); the window kind against the offset path at
+#      equal keys per query: cuDNN's local_window_size, the window XLA path, static, static_pallas (2e);
 #   3. SSA's training step against FullAttn at paper B's shape (1B, 8k tokens, batch 2);
 #   4. the same rows at 64k, then at 4k.
 # Caps come from the first run (BUILD_NOTES, "GPU check": ~55 s compiling a kernel case and path,
 # ~95 s a length's four attention paths); they are estimates until this script's first H200 run.
 # Every table row carries GB/s, TFLOP/s and / ref (the time over cuDNN's).
-# Block sizes: BLOCKS=BQ,BK,WARPS,STAGES (default 128,128,4,2); a sweep is its own command
-# (python -m launch.bench kernels --sweep "64,64,4,2;128,128,8,2" --sweep-seq 16384, ~60 s a candidate).
+# STEPS="2c 2d" runs only the steps named (their ids), the others say "not selected".
+# Block sizes: BLOCKS=BQ,BK,WARPS,STAGES (default 128,128,4,2); step 2d sweeps four (~60 s a
+# candidate, first run's estimate; a longer sweep: python -m launch.bench kernels --sweep-only ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REHEARSE=0
@@ -35,6 +40,7 @@ if [ "$REHEARSE" = 1 ]; then
   PY=${PY:-python}
   export JAX_PLATFORMS=cpu
   SEQ_MAIN=256 SEQ_LONG=512 SEQ_SHORT=128 REPEATS=1 BEST=${BLOCKS:-64,64,4,2} SCALE=2 REF=dense
+  SEQ_VARIANTS=128 SWEEP="64,64,4,2;32,32,4,2"
   KERNELS=(--small)
   TRAIN=(model.d_model=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.vocab_size=512 seq_len=256 mesh.devices=1)
 else
@@ -43,6 +49,8 @@ else
   # a rerun on the same warm machine skips the compiles this one did
   export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fibjax_jax_cache}
   SEQ_MAIN=16384 SEQ_LONG=65536 SEQ_SHORT=4096 REPEATS=10
+  # the first candidate is the default (BlockSizes()), whose programs step 2a has likely put in the cache
+  SEQ_VARIANTS=$SEQ_MAIN SWEEP="128,128,4,2;64,64,4,2;128,128,8,2;64,64,4,3"
   KERNELS=(--sweep-seq 0)
   TRAIN=()
 fi
@@ -55,6 +63,10 @@ exec > >(tee "$OUT/gpu_check.log") 2>&1
 step() {
   local name=$1 cap=$(($2 * SCALE))
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" ${name%%.*} "* ]]; then
+    echo "== $name: not selected"
+    return
+  fi
   local left=$((DEADLINE - SECONDS))
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 20 ]; then
@@ -80,6 +92,7 @@ export -f attention
 export PY REPEATS BEST
 OFFSETS=$REF,static,static_pallas,learned_pallas
 SPARSE=$REF,block_sparse,block_sparse_pallas,nsa
+VARIANTS=default,gather,bf16_partials,skip_padding,blocks4,combined  # fibjax/attention/pallas/block_kernels.py
 
 [ "$REHEARSE" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
 $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
@@ -88,6 +101,11 @@ step "0. backend probe: dense flash, Triton vs Mosaic GPU vs cuDNN, seq $SEQ_MAI
 step "1. kernels vs the XLA path (fp32 full precision, bf16 GQA)" 200 $PY -m launch.bench kernels --pallas-blocks "$BEST" ${KERNELS[@]+"${KERNELS[@]}"}
 step "2a. offsets, seq $SEQ_MAIN, K=8" 90 attention "$SEQ_MAIN" 8 "$OFFSETS"
 step "2b. block-sparse 16 x 16 and NSA, seq $SEQ_MAIN, K=2, phases" 90 attention "$SEQ_MAIN" 2 "$SPARSE" --phases
+step "2c. block-sparse kernel variants side by side, seq $SEQ_VARIANTS, K=2" 150 attention "$SEQ_VARIANTS" 2 "$REF,block_sparse_pallas" \
+  --pallas-variants "$VARIANTS" --rounds 3
+step "2d. offset kernels' block sizes, seq $SEQ_MAIN, K=8 (each over the first)" 120 $PY -m launch.bench kernels --sweep-only \
+  --sweep "$SWEEP" --sweep-seq "$SEQ_MAIN" --repeats "$REPEATS"
+step "2e. window vs offsets at equal keys per query, seq $SEQ_MAIN, K=8" 60 attention "$SEQ_MAIN" 8 "$REF,cudnn_window,window,static,static_pallas"
 step "3. SSA training step vs FullAttn (paper B's shape, batch 2)" 120 $PY -m launch.bench train \
   --configs configs/ssa/paper_fullattn.py,configs/ssa/paper_ssa.py --steps 3 --rounds 2 global_batch=2 ${TRAIN[@]+"${TRAIN[@]}"}
 step "4a. offsets, seq $SEQ_LONG, K=8" 70 attention "$SEQ_LONG" 8 "$OFFSETS"
