@@ -141,8 +141,9 @@ def test_a_sink_is_scored_at_its_stream_cache_position():
     model = Transformer(tiny(1, kind="sinks", sinks=2, window=5), rngs=nnx.Rngs(0))
     x = jax.random.randint(jax.random.PRNGKey(4), (2, 40), 0, 97)
     cut = jnp.concatenate([x[:, :2], x[:, 20:]], axis=1)
-    np.testing.assert_allclose(model(x)[:, -1], model(cut)[:, -1], atol=1e-5, rtol=0)
-    assert not np.allclose(model(x)[:, 20], model(x[:, 3:])[:, 17], atol=1e-3)  # the sinks differ: so do the logits
+    logits = model(x)
+    np.testing.assert_allclose(logits[:, -1], model(cut)[:, -1], atol=1e-5, rtol=0)
+    assert not np.allclose(logits[:, 20], model(x[:, 3:])[:, 17], atol=1e-3)  # the sinks differ: so do the logits
 
 
 # (attention, dtype, capacity, prompt): each ring wraps in the prompt and again in the steps
