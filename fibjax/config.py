@@ -620,7 +620,22 @@ def find_config_file(path: str | Path) -> Path:
         for root in SHIPPED_CONFIGS:
             if (root.joinpath(*path.parts[1:])).is_file():
                 return root.joinpath(*path.parts[1:])
-    raise ConfigError(f"config file {str(path)!r} does not exist (configs/NAME.py also finds the configs shipped with fibjax: {SHIPPED_CONFIGS[-1]})")
+    inside = sorted(str(f) for f in path.glob("*.py")) if path.is_dir() else []
+    what = f"is a folder, not a config file{f' (it holds {inside[0]}, ...)' if inside else ''}" if path.is_dir() else "does not exist"
+    shipped = next((root for root in SHIPPED_CONFIGS if root.is_dir()), None)
+    with_py = path.with_name(path.name + ".py") if path.name and path.suffix not in (".py", ".json") else None
+    if with_py and _config_exists(with_py):  # configs/tiny for configs/tiny.py
+        raise ConfigError(f"config file {str(path)!r} {what}: did you mean --config {with_py}?")
+    where = f" (configs/NAME.py also finds the configs shipped with fibjax, in {shipped})" if shipped else ""
+    raise ConfigError(f"config file {str(path)!r} {what}{where}")
+
+
+def _config_exists(path: Path) -> bool:
+    try:
+        find_config_file(path)
+    except ConfigError:
+        return False
+    return True
 
 
 def load_config_file(path: str | Path):

@@ -4,6 +4,8 @@ overrides anywhere among the flags. Kept free of JAX, so that arguments are chec
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 _KINDS = {int: "integers", float: "numbers", str: "names"}
 
@@ -49,3 +51,22 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (python -m {self.prog.removeprefix('python -m ')} --help lists the options)\n")
+
+
+def fibjax_or_exit(prog: str) -> None:
+    """Exit 2 with one line when the ``fibjax`` Python finds is not this project's package: a
+    folder named ``fibjax/`` in the directory a command runs from comes first on Python's path
+    and hides the installed package (before, a raw ModuleNotFoundError or ImportError)."""
+    try:
+        import fibjax.errors  # noqa: F401
+    except ImportError as e:
+        if not (e.name or "fibjax").startswith("fibjax"):
+            raise
+        found = sys.modules.get("fibjax")
+        where = getattr(found, "__file__", None) or next(iter(getattr(found, "__path__", [])), "?")
+        print(
+            f"error: the fibjax Python finds is {where}, not fibjax's package ({e}): a folder named fibjax/ in the directory you run "
+            f"from ({os.getcwd()}) comes first on Python's path; run python -m {prog} from another directory (a clone's root), or rename that folder",
+            file=sys.stderr,
+        )
+        sys.exit(2)

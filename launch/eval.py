@@ -19,7 +19,7 @@ import re
 import sys
 
 from launch import processes
-from launch._args import Parser, comma_list
+from launch._args import Parser, comma_list, fibjax_or_exit
 from launch._streams import survive_closed_pipes
 
 MIN_LENGTH = 8  # one token per position bin of the NLL-by-position report
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     processes.add_arguments(parser)
     args = parser.parse_args(argv)
     processes.apply(parser, args)  # before anything initialises JAX
+    fibjax_or_exit("launch.eval")
 
     from fibjax import distributed
     from fibjax.config import ConfigError

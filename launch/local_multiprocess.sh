@@ -27,11 +27,16 @@ trap 'rm -f "$order"' EXIT
 
 # Process $1 (the command follows), in a subshell that appends its end to $order. The command
 # runs in the background there so that the forwarded SIGTERM reaches it at once (bash runs a
-# trap only after a foreground child ends, but interrupts `wait` for it).
+# trap only after a foreground child ends, but interrupts `wait` for it). A terminal's Ctrl-C
+# sends SIGINT to every process of the job: this subshell and the output filter ignore it (the
+# filter SIGTERM too; it ends when the process closes its output), so that they outlive the
+# process and its last lines ("stopped by a signal ... run the same command to resume") reach
+# the terminal; the script forwards the stop to the process as SIGTERM.
 run() {
   local i=$1 rc child
   shift
-  "$@" > >(grep --line-buffered -v '^\[Gloo\]') &  # gloo's per-connection lines (stdout) say nothing to a user
+  trap '' INT
+  "$@" > >(trap '' INT TERM; exec grep --line-buffered -v '^\[Gloo\]') &  # gloo's per-connection lines (stdout) say nothing to a user
   child=$!
   trap 'kill -TERM "$child" 2>/dev/null' TERM
   echo "local_multiprocess: process $i of $N is pid $child (coordinator 127.0.0.1:$PORT)"

@@ -12,18 +12,20 @@ Several processes (one per host or GPU) run the same command; ``--coordinator ho
 and TPU pods are detected; see fibjax/distributed.py and the recipes in launch/).
 
 Exit codes: 0 finished, 2 an error (one ``error:`` line), 3 stopped by SIGTERM/SIGINT before
-the last step with a checkpoint saved (run the same command to resume).
+the last step with a checkpoint saved, or before anything started, or during the end-of-run
+evaluation (run the same command to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
 from launch import processes
-from launch._args import Parser, parse_with_overrides
+from launch._args import Parser, fibjax_or_exit, parse_with_overrides
 from launch._streams import survive_closed_pipes
 
 # stopped by SIGTERM/SIGINT before the last step, checkpoint saved: not done, so that a job
@@ -33,6 +35,25 @@ DEFAULT_CONFIG = "configs/tiny.py"  # found in a clone or in the wheel's copy (f
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; SIGTERM and SIGINT are handled from its first line to its last: before the
+    loop they stop it before anything starts (exit 3), in the loop at the next step boundary,
+    during the end-of-run evaluation at once (exit 3; the report is written whole or not)."""
+    fibjax_or_exit("launch.train")
+    from fibjax.train.stopping import Preemption  # jax-free: installed before the heavy imports
+
+    stop = Preemption().install()
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.uninstall()
+
+
+def _stopped_before_anything_started() -> int:
+    print("stopped by a signal before anything started: nothing was done; run the same command to start", flush=True)
+    return EXIT_STOPPED
+
+
+def _main(argv: list[str] | None, stop) -> int:
     parser = Parser(prog="python -m launch.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a Python config file with get_config() (default: configs/tiny.py)")
     parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
@@ -62,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if stop.requested:
+        return _stopped_before_anything_started()
 
     import jax
 
@@ -69,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     from fibjax.run.integrity import finished_steps
     from fibjax.train.loop import train
 
+    if stop.requested:  # during JAX's import (seconds on a busy machine)
+        return _stopped_before_anything_started()
     try:
         workdir = Path(args.workdir or Path("runs") / cfg.name)
-        result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step)
+        result = train(cfg, workdir, progress=not args.no_progress, resume_step=args.resume_step, preemption=stop)
     except FibjaxError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -101,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     # process 0 alone writes the report and prints the table.
     if cfg.eval.at_end and not result.preempted:
         from fibjax.eval import runner
+
+        def stopped_evaluating(signum=None, frame=None):
+            say(f"stopped by a signal during the end-of-run evaluation: training is complete in {workdir}; run the same command to evaluate it")
+            sys.stdout.flush()
+            os._exit(EXIT_STOPPED)  # at once: the evaluation cannot stop at a boundary, and its report is written whole or not at all
+
+        if stop.requested:  # after the last step was saved
+            stopped_evaluating()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, stopped_evaluating)
 
         try:
             report, path = runner.evaluate_workdir(workdir)

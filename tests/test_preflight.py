@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 
 import pytest
 
@@ -14,7 +16,7 @@ from fibjax.run import load as run_load
 from fibjax.run.checkpoints import HELD_DIR, Checkpointer
 from fibjax.run.integrity import finished_steps
 from fibjax.run.workdir import CheckpointError
-from tests.helpers import TINY, assert_one_error, flip_bytes, train_main
+from tests.helpers import ROOT, TINY, assert_one_error, flip_bytes, train_main
 
 SETTINGS = ("steps=4", "checkpoint.every_steps=2", "eval.max_tokens=512")
 
@@ -162,3 +164,95 @@ def test_a_config_edited_to_another_model_is_not_called_damaged(run_copy, data_d
         "put back the config",
     )
     assert "damaged" not in line and "--resume-step" not in line and "new --workdir" not in line
+
+
+def test_an_evaluation_on_a_full_disk_is_refused_before_it_evaluates(run_copy, monkeypatch, capsys):
+    """Before, the check made an empty file, which a full disk allows: 12.9 s of evaluation, the
+    table, then the failed write. ``eval/`` here is a 64 KiB tmpfs filled to the last byte."""
+    from launch.eval import main
+
+    eval_dir = run_copy / "eval"
+    eval_dir.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(eval_dir)], capture_output=True).returncode:
+        pytest.skip("a small tmpfs needs root and mount(8)")
+    try:
+        with open(eval_dir / "filler", "wb", buffering=0) as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * 4096)
+        monkeypatch.setattr(runner, "evaluate_run", lambda *a, **k: pytest.fail("evaluated"))
+        rc = main(["--workdir", str(run_copy)])
+        captured = capsys.readouterr()
+        assert_one_error(rc, captured.out + captured.err, f"no room for the evaluation report in {eval_dir}", "nothing was evaluated")
+        assert sorted(p.name for p in eval_dir.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(eval_dir)], capture_output=True)
+
+
+def test_a_damaged_last_step_lists_the_runs_real_steps(run_copy, capsys):
+    """Before, the message listed the held copy's steps: "other steps: []" while step 2 was intact."""
+    from launch.eval import main
+
+    flip_bytes(run_copy / "checkpoints" / "4")
+    rc = main(["--workdir", str(run_copy)])
+    captured = capsys.readouterr()
+    assert_one_error(rc, captured.out + captured.err, "checkpoint step 4", "is damaged", "other steps: [2]", "--step 2")
+
+
+def test_two_evaluations_writing_one_report_use_temporary_files_of_their_own(tmp_path, monkeypatch):
+    names = []
+    real_replace = os.replace
+    monkeypatch.setattr(runner.os, "replace", lambda a, b: names.append(a) or real_replace(a, b))
+    report = {"step": 4, "datasets": {}}
+    runner.write_report(tmp_path, report)
+    runner.write_report(tmp_path, report)
+    assert len(set(names)) == 2 and json.loads((tmp_path / "eval" / "4.json").read_text()) == report
+    assert not [p for p in (tmp_path / "eval").iterdir() if p.name != "4.json"]
+
+
+def test_an_imported_run_without_data_is_one_error_naming_the_data_to_pass(run_copy, capsys):
+    """Before: exit 0, an empty table and eval/0.json. The remedy it names was run by hand (an
+    import's data directory holds its tokenizer only; launch.prepare_data --tokenizer FILE)."""
+    from fibjax.data.prepare import prepare_tokenizer_only
+    from fibjax.data.token_files import data_tokenizer
+    from launch.eval import main
+
+    config = json.loads((run_copy / "config.json").read_text())
+    tokenizer = data_tokenizer(config["data"]["path"])
+    config["data"]["path"] = str(run_copy / "data")
+    (run_copy / "config.json").write_text(json.dumps(config))
+    prepare_tokenizer_only(run_copy / "data", tokenizer, "a Hugging Face model")
+    (run_copy / "data.sha256.json").unlink()
+    (run_copy / "hf_source.json").write_text("{}")
+    rc = main(["--workdir", str(run_copy)])
+    captured = capsys.readouterr()
+    assert_one_error(rc, captured.out + captured.err, "was imported from Hugging Face", "--tokenizer", "--data NAME=DIR")
+    assert not (run_copy / "eval").exists()
+
+
+def test_lengths_too_long_together_name_their_least_common_multiple_and_what_to_pass(run_copy, capsys):
+    from launch.eval import main
+
+    rc = main(["--workdir", str(run_copy), "--lengths", "256,300"])
+    captured = capsys.readouterr()
+    assert_one_error(rc, captured.out + captured.err, "least common multiple (19200 tokens)", "e.g. 256,512")
+
+
+@pytest.mark.parametrize("given, fragment", [("configs/tiny", "did you mean --config configs/tiny.py?"), ("configs/cpu", "is a folder")])
+def test_a_config_named_without_py_suggests_the_file(given, fragment, capsys):
+    from launch.train import main
+
+    rc = main(["--config", given])
+    captured = capsys.readouterr()
+    line = assert_one_error(rc, captured.out + captured.err, fragment)
+    assert "fibjax/configs" not in line
+
+
+def test_a_fibjax_folder_where_the_command_runs_is_one_error(tmp_path):
+    """Before: a raw ModuleNotFoundError (the folder, first on Python's path, hides the package)."""
+    (tmp_path / "fibjax").mkdir()
+    (tmp_path / "fibjax" / "__init__.py").write_text("")
+    # as with fibjax installed from a wheel: this venv's editable install finds fibjax before the folder
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), sysconfig.get_paths()["purelib"]])}
+    proc = subprocess.run([sys.executable, "-S", "-m", "launch.eval", "--workdir", "x"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert_one_error(proc.returncode, proc.stdout + proc.stderr, "a folder named fibjax/", "from another directory")

@@ -91,3 +91,91 @@ def test_local_multiprocess_reports_the_first_process_to_end_and_exits_with_its_
     proc = subprocess.run(["bash", str(ROOT / "launch" / "local_multiprocess.sh")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     ended = [line for line in proc.stdout.splitlines() if "exited with status" in line]
     assert proc.returncode == 9 and len(ended) == 2 and "process 1 " in ended[0], proc.stdout
+
+
+# A process that stops as launch.train does: on SIGINT or SIGTERM it prints its stop line a
+# moment later (the checkpoint being saved) and exits 3.
+STOPPING_PYTHON = """#!/usr/bin/env python3
+import signal, sys, time
+def stop(signum, frame):
+    time.sleep(0.5)
+    print("stopped by a signal at step 3: run the same command to resume", flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
+print("[Gloo] connected", flush=True)
+print("training", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_local_multiprocess_under_a_terminal_ctrl_c_shows_the_stop_lines_and_exits_3(tmp_path):
+    """A terminal's Ctrl-C signals the whole process group. Before, the output filter (grep) died
+    with it, so the processes' stop lines met a closed pipe, and the subshells that record each
+    process's end died too, leaving the script waiting for ever."""
+    fake = tmp_path / "python"
+    fake.write_text(STOPPING_PYTHON)
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "PORT": "1", "TMPDIR": str(tmp_path)}
+    cmd = ["bash", str(ROOT / "launch" / "local_multiprocess.sh")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    seen = read_until(proc, b"training\ntraining\n", timeout=60)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+    try:
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = (seen + rest).decode()
+    assert proc.returncode == 3 and out.count("stopped by a signal at step 3: run the same command to resume") == 2, out
+    assert "[Gloo]" not in out and out.count("exited with status 3") == 2, out
+
+
+def signalled_during(monkeypatch, module, name, sig):
+    """``module.name`` sends this process ``sig`` as it is called (a Ctrl-C or SIGTERM arriving then)."""
+    original = getattr(module, name)
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, signalled)
+
+
+def test_a_signal_while_the_command_starts_stops_it_before_anything_started_with_exit_3(tmp_path, data_dir, monkeypatch, capsys):
+    """Before, the handler was installed with the training loop (~1.2 s in): SIGTERM then exited
+    143, and Ctrl-C printed a KeyboardInterrupt traceback or was swallowed by JAX's gc callback."""
+    import fibjax.config
+    from launch.train import main
+
+    signalled_during(monkeypatch, fibjax.config, "load_config_file", signal.SIGINT)
+    rc = main(["--workdir", str(tmp_path / "run"), "--no-progress", *TINY, f"data.path={data_dir}", "steps=4"])
+    out = capsys.readouterr().out
+    assert rc == 3 and "stopped by a signal before anything started" in out, out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_during_the_checks_stops_the_run_before_its_first_step_with_exit_3(tmp_path, data_dir, monkeypatch, capsys):
+    import fibjax.train.loop as loop
+    from launch.train import main
+
+    signalled_during(monkeypatch, loop, "preflight", signal.SIGTERM)
+    rc = main(["--workdir", str(tmp_path / "run"), "--no-progress", *TINY, f"data.path={data_dir}", "steps=4"])
+    out = capsys.readouterr().out
+    assert rc == 3 and "stopped by a signal before the first step: nothing was trained" in out, out
+    assert not finished_steps(tmp_path / "run")
+
+
+@slow
+def test_a_signal_during_the_end_of_run_evaluation_exits_3_and_the_same_command_evaluates(tmp_path, data_dir):
+    workdir = tmp_path / "run"
+    proc = start_train(workdir, data_dir, "steps=2", "eval.at_end=true", "eval.max_tokens=4096")
+    seen = read_until(proc, b"finished at step 2")
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    out = (seen + proc.stdout.read()).decode()
+    assert rc == 3 and "stopped by a signal during the end-of-run evaluation: training is complete" in out, out
+    assert "Traceback" not in out and not (workdir / "eval" / "2.json").exists(), out
+    proc = start_train(workdir, data_dir, "steps=2", "eval.at_end=true", "eval.max_tokens=4096")
+    assert proc.wait(timeout=300) == 0 and (workdir / "eval" / "2.json").exists()

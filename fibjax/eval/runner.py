@@ -25,11 +25,13 @@ from fibjax import distributed, kinds
 from fibjax._moved import forward_to
 from fibjax.attention import alpha as alpha_lib
 from fibjax.config import AttentionConfig, ConfigError, TrainConfig, apply_overrides
-from fibjax.data.token_files import open_tokens, verify_checksums
+from fibjax.data.token_files import free_space, human_bytes, open_tokens, tokenizer_path, verify_checksums
 from fibjax.eval import batching
 from fibjax.eval.error_law import error_law
 from fibjax.eval.perplexity import EvalError, dropped_mass_by_layer, evaluate_lengths
 from fibjax.run import load as run_load
+from fibjax.run.failures import disk_full
+from fibjax.run.workdir import IMPORTED_FILE
 
 # why ``--dropped-mass`` reports no error law for an attention that is not one softmax
 NO_LAW = (
@@ -243,18 +245,16 @@ def evaluate_workdir(
     run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
     ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings)."""
     run = run_load.load_run(workdir, step_number)
-    distributed.on_main(lambda: check_writable(Path(workdir) / "eval"), "checking where the report goes")
     if rope:
         run = with_rope(run, rope)
     lengths = list(lengths or [m * run.cfg.seq_len for m in run.cfg.eval.length_multipliers])
     attention = apply_overrides(run.cfg.model.attention, attention_overrides) if attention_overrides else None
+    datasets = dataset_streams(run, specs)
+    check_datasets(run, datasets, lengths, max_tokens or run.cfg.eval.max_tokens)
+    room = report_room(len(lengths), len(datasets), run.cfg.model.num_layers, dropped_mass)
+    distributed.on_main(lambda: check_writable(Path(workdir) / "eval", room), "checking where the report goes")
     report = evaluate_run(
-        run,
-        lengths=lengths,
-        datasets=dataset_streams(run, specs),
-        max_tokens=max_tokens or run.cfg.eval.max_tokens,
-        attention=attention,
-        dropped_mass=dropped_mass,
+        run, lengths=lengths, datasets=datasets, max_tokens=max_tokens or run.cfg.eval.max_tokens, attention=attention, dropped_mass=dropped_mass
     )
     report["data"] = specs or {"(the run's own validation sources)": str(run.data_dir)}
     # one file per evaluation setting, so a later evaluation never replaces the end-of-training one
@@ -276,15 +276,51 @@ def data_part(name: str, spec: str) -> str:
     return f"data_{name}_{where}"
 
 
-def check_writable(directory: Path) -> None:
-    """An evaluation's output can be written to ``directory`` (or, before it exists, the nearest
-    directory above it): checked before the evaluation, not after it, by a file made and removed
-    there."""
+def check_datasets(run: run_load.LoadedRun, datasets: dict[str, np.ndarray], lengths: list[int], max_tokens: int) -> None:
+    """Something to evaluate, before anything is: a run without validation data of its own (an
+    imported model) needs ``--data``; every length scores the same tokens, cut into windows of
+    the lengths' least common multiple, which each dataset must hold."""
+    if not datasets:
+        imported = (Path(run.workdir) / IMPORTED_FILE).exists()
+        what = "was imported from Hugging Face: it holds its tokenizer but no validation text" if imported else "has no validation split"
+        raise EvalError(
+            f"{run.workdir} {what}; evaluate it on data prepared with its tokenizer: python -m launch.prepare_data --out DIR "
+            f"--tokenizer {tokenizer_path(run.data_dir)} --source NAME=FILES, then python -m launch.eval --workdir {run.workdir} --data NAME=DIR"
+        )
+    unit = math.lcm(*lengths)
+    short = {name: len(stream) for name, stream in datasets.items() if min(max_tokens, len(stream) - 1) < unit}
+    if short:
+        name, size = next(iter(short.items()))
+        room = min(max_tokens, size - 1)
+        doubling = [min(lengths) * 2**i for i in range(len(set(lengths)))]
+        example = f"e.g. {','.join(map(str, doubling))}" if doubling[-1] <= room else f"with a least common multiple of at most {room}"
+        within = f"every length scores the same tokens, in windows of their least common multiple ({unit} tokens), but {name} holds {size} tokens"
+        within += f", of which {max_tokens} are scored (--max-tokens; default: the run's eval.max_tokens)" if max_tokens < size - 1 else ""
+        raise EvalError(f"--lengths {','.join(map(str, lengths))}: {within}; pass lengths that are multiples of one another ({example})")
+
+
+def report_room(lengths: int, datasets: int, num_layers: int, dropped_mass: bool) -> int:
+    """A generous size for a report (a 4-layer run at 3 lengths writes 2.2 KiB): 16 KiB, and per
+    dataset and length 1 KiB, with 256 bytes a layer for the dropped mass and error law."""
+    return 16 * 1024 + lengths * datasets * (1024 + (256 * num_layers if dropped_mass else 0))
+
+
+def check_writable(directory: Path, nbytes: int = 16 * 1024) -> None:
+    """An evaluation's report can be written to ``directory`` (or, before it exists, the nearest
+    directory above it): checked before the evaluation, not after it, by writing and syncing a
+    file of the report's size there (an empty file fits on a full disk), then removing it."""
     where = next(p for p in [directory, *directory.absolute().parents] if p.is_dir())
     try:
-        with tempfile.TemporaryFile(dir=where, prefix=".write-check-"):
-            pass
+        with tempfile.TemporaryFile(dir=where, prefix=".room-check-") as f:
+            f.write(bytes(nbytes))
+            f.flush()
+            os.fsync(f.fileno())
     except OSError as e:
+        if disk_full(e):
+            raise EvalError(
+                f"no room for the evaluation report in {where}: {e.strerror or e} ({free_space(where)} free; the report needs up to "
+                f"{human_bytes(nbytes)}); nothing was evaluated. Free some space and run the same command"
+            ) from None
         raise EvalError(
             f"cannot write the evaluation report in {where}: {e.strerror or e}; nothing was evaluated. Make it writable, "
             "or evaluate a copy of the run directory made elsewhere"
@@ -300,14 +336,18 @@ def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
         text = json.dumps(report, indent=2, allow_nan=False) + "\n"
     except ValueError:
         raise EvalError(f"the evaluation of {workdir} step {report['step']} holds a non-finite number; {out} was not written") from None
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
+        # a name of its own: two evaluations writing one report never share a temporary file
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o644)  # as a report written in place would be, not mkstemp's 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         os.replace(tmp, out)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError, TypeError):
+            Path(tmp).unlink(missing_ok=True)
         raise ReportNotWritten(f"the evaluation of {workdir} step {report['step']} could not be written to {out}: {e.strerror or e}", report) from None
     return out
 

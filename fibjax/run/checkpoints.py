@@ -207,7 +207,8 @@ class Checkpointer:
             for s in old:
                 shutil.rmtree(self.directory / str(s))
             print(
-                f"warning: {human_bytes(free)} free in {self.directory}, less than a checkpoint takes ({human_bytes(size)}): deleted "
+                f"warning: {human_bytes(free)} free in {self.directory}, less than {ROOM_MARGIN:g} x a checkpoint ({ROOM_MARGIN:g} x "
+                f"{human_bytes(size)} = {human_bytes(ROOM_MARGIN * size)}): deleted "
                 f"checkpoint step(s) {old} before saving step {step} (checkpoint.keep={self.keep}); {free_space(self.directory)} free now",
                 file=sys.stderr,
             )

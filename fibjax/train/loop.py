@@ -13,6 +13,7 @@ restored: a failed resume changes nothing on disk either.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -267,19 +268,21 @@ def _close_all(closers, *, failing: bool) -> None:
         raise first
 
 
-def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> RunResult:
+def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None, preemption: Preemption | None = None) -> RunResult:
     """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``.
 
     One run per workdir: process 0 holds its lock (fibjax/run/lock.py) from before the first
-    check to the end, so a second start is refused at once, naming the holder."""
+    check to the end, so a second start is refused at once, naming the holder. ``preemption``:
+    a handler its caller installed already (``launch.train``, before its imports); default:
+    one installed for the call."""
     distributed.initialize()
     workdir = Path(workdir)
     check_is_directory(workdir)
     lock = WorkdirLock(workdir)
     distributed.on_main(lock.acquire, f"locking the workdir {workdir}")
     try:
-        with Preemption() as preemption:  # from the start: a signal while restoring or compiling stops the run too
-            return _train(cfg, workdir, progress, resume_step, preemption)
+        with contextlib.nullcontext(preemption) if preemption else Preemption() as stop:  # a signal while restoring or compiling stops the run too
+            return _train(cfg, workdir, progress, resume_step, stop)
     finally:
         lock.release()  # a no-op on the processes that do not hold it
 
@@ -378,6 +381,12 @@ def _train(cfg: TrainConfig, workdir: Path, progress: bool, resume_step: int | N
             bar.set_postfix(shown, refresh=False)
 
     failing = True
+    if preemption.requested:  # during the checks, the restore or the build: before the first step
+        since = f"checkpoint step {start}, which is untouched" if start else "the start: there is no checkpoint yet"
+        say(f"stopped by a signal before the first step: nothing was trained since {since}; run the same command to resume")
+        _close_all([writer.close, *([batch_log.close] if batch_log else []), ckpt.close], failing=False)
+        result.preempted = True
+        return result
     try:
         with jax.set_mesh(mesh):
             for step in range(start, cfg.steps):
