@@ -196,6 +196,13 @@ def parse(module: str, words: list[str]) -> tuple[argparse.Namespace | None, str
     return args, None
 
 
+def option_strings(module: str) -> set[str]:
+    """Every flag the parser of ``module`` (and its subcommands') knows."""
+    parsers = [parser_of(module)]
+    parsers += [c for a in parsers[0]._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+    return {option for each in parsers for action in each._actions for option in action.option_strings}
+
+
 def parse_error(module: str, words: list[str]) -> str | None:
     return parse(module, words)[1]
 
@@ -229,7 +236,9 @@ def check(module: str, words: list[str], partial: bool = False) -> str | None:
         return f"no module {module}"
     args, error = parse(module, words)
     if error and partial and MISSING_REQUIRED.search(error):
-        return None
+        # argparse stops at the missing flag before it looks at the others: look at them here
+        unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in option_strings(module)]
+        return f"unrecognized: {unknown}" if unknown else None
     if error or args is None:
         return error
     try:

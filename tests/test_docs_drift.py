@@ -112,6 +112,8 @@ def test_a_wrong_flag_a_wrong_key_and_a_wrong_item_are_caught():
     assert check("launch.eval", ["--workdir", "RUN", "--rope", "factr=4"]) is not None
     assert check("launch.eval", ["--workdir", "RUN", "--rope", "scaling=yarn", "factor=4", "original_len=256"]) is None
     assert "unknown placeholder" in check("launch.eval", ["--workdir", "RUNN"])
+    assert check("launch.eval", ["--workdri", "RUN"], partial=True) is not None  # --workdir missing hides nothing
+    assert check("launch.eval", ["--lengths", "256"], partial=True) is None  # a synopsis may leave --workdir out
     with pytest.raises(doc_commands.UnknownForm):
         doc_commands.launch_command(["uv", "run", "-m", "launch.eval", "--lenghts", "4"])
     assert doc_commands.launch_command(["/usr/bin/time", "-v", "nice", "python3", "-m", "launch.eval", "--x"]) == ("launch.eval", ["--x"])
