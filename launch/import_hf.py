@@ -27,6 +27,7 @@ import argparse
 import signal
 import sys
 import time
+from pathlib import Path
 
 from launch._args import Parser
 
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from fibjax.errors import FibjaxError
     from fibjax.hf import import_model
+    from fibjax.hf.config import read_json
+    from fibjax.kinds import registry
 
     start = time.perf_counter()
     handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     m = cfg.model
     dtypes = f"{m.param_dtype} parameters, {m.dtype} compute" if m.dtype != m.param_dtype else f"{m.dtype} parameters and compute"
-    attention = "" if m.attention.kind == "dense" else f", {m.attention.kind} attention (fibjax_attention in config.json)"
+    recorded = "fibjax_attention" in read_json(Path(args.model_dir) / "config.json")
+    field = "fibjax_attention" if recorded else "sliding_window"
+    attention = "" if m.attention.kind == registry.FULL else f", {m.attention.kind} attention ({field} in config.json)"
     print(
         f"imported {args.model_dir} into {args.workdir} in {time.perf_counter() - start:.1f} s: {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads} heads / {m.num_kv_heads} KV, vocab {m.vocab_size}, {dtypes}, RoPE theta {m.rope_theta:g}"

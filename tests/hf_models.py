@@ -29,6 +29,8 @@ ARCHS = {
         ),
     ),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=None, head_dim=24)),
+    # a sliding window shorter than the tests' sequences (40 tokens, 12 + 32 generated): the window kind
+    "mistral_window": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=8, head_dim=24)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
 }
 

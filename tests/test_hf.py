@@ -46,7 +46,7 @@ def _flat(tree, prefix=""):
     "change, field",
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, "max_window_layers"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling"),
         ({"attention_bias": True}, "attention_bias"),
@@ -117,12 +117,12 @@ def test_a_non_empty_workdir_is_refused_and_left_as_it_was(tmp_path):
 
 
 def test_the_command_line_refuses_with_one_line_and_exit_2(tmp_path):
-    model_dir = hf_models.handmade(tmp_path / "model", model_type="mistral", sliding_window=4096)
+    model_dir = hf_models.handmade(tmp_path / "model", model_type="mistral", sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     command = [sys.executable, "-m", "launch.import_hf", str(model_dir), "--workdir", str(tmp_path / "run")]
     out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "sliding_window" in lines[0], out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and "layer_types mixes" in lines[0], out.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -148,6 +148,43 @@ def test_import_export_import_is_the_identity(tmp_path, model_type, tie, shards)
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
 
 
+@pytest.mark.parametrize(
+    "model_type, config, window",
+    [
+        ("mistral", {"sliding_window": 8}, 8),
+        ("mistral", {"sliding_window": None}, None),
+        ("mistral", {"sliding_window": 8, "layer_types": ["sliding_attention"] * 2}, 8),
+        ("mistral", {"sliding_window": 8, "layer_types": ["full_attention"] * 2}, None),
+        ("qwen2", {"sliding_window": 8, "use_sliding_window": False}, None),
+        ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 0}, 8),
+        ("qwen2", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 2}, None),
+        ("llama", {"sliding_window": 8}, None),
+    ],
+)
+def test_a_sliding_window_in_every_layer_imports_onto_the_window_kind(tmp_path, model_type, config, window):
+    """transformers slides Mistral whenever sliding_window is set, Qwen2 from max_window_layers on
+    with use_sliding_window, Llama never; the window kind attends the same W keys (0 <= i - j < W).
+    Logit parity with transformers' own sliding-window Mistral: test_logits_equal_transformers_*."""
+    model_dir = hf_models.handmade(tmp_path / "model", model_type=model_type, **config)
+    cfg = import_model(model_dir, tmp_path / "run")
+    if window is None:
+        assert cfg.model.attention.kind == "dense"
+    else:
+        assert (cfg.model.attention.kind, cfg.model.attention.window) == ("window", window)
+        export_model(tmp_path / "run", tmp_path / "exported")  # transformers runs the window itself: no fibjax_attention
+        exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+        assert exported["sliding_window"] == window and exported["use_sliding_window"] and "fibjax_attention" not in exported
+        again = import_model(tmp_path / "exported", tmp_path / "again")
+        assert again.model.attention == cfg.model.attention
+
+
+def test_a_sliding_window_and_another_recorded_attention_are_refused(tmp_path):
+    fib = {"kind": "offset", "window": 8}
+    model_dir = hf_models.handmade(tmp_path / "model", model_type="mistral", sliding_window=8, fibjax_attention=fib)
+    with pytest.raises(UnsupportedModel, match="name different attentions"):
+        import_model(model_dir, tmp_path / "run")
+
+
 def test_plan_import_reads_headers_only_and_maps_the_config(tmp_path):
     model_dir = hf_models.handmade(tmp_path / "model", model_type="qwen2", tie=True, rope_theta=1e6, rms_norm_eps=1e-6)
     hf, cfg, refs, tokenizer = plan_import(model_dir)
@@ -159,7 +196,7 @@ def test_plan_import_reads_headers_only_and_maps_the_config(tmp_path):
 # --- parity against transformers (the hf-parity extra) ------------------------------------------
 
 
-@pytest.fixture(params=first_fast(list(hf_models.ARCHS), keep=4))
+@pytest.fixture(params=first_fast(list(hf_models.ARCHS), keep=5))
 def imported(request, tmp_path):
     """(arch, the transformers model, the fibjax run it was imported into)."""
     arch = request.param

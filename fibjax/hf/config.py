@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fibjax.config import AttentionConfig, ConfigError, ModelConfig, from_dict
 from fibjax.errors import FibjaxError
+from fibjax.kinds import registry
 
 # model_type -> whether its attention has q/k/v biases (Qwen2's do, always)
 FAMILY = {"llama": False, "mistral": False, "qwen2": True}
@@ -146,6 +147,37 @@ def attention_of(hf: dict) -> AttentionConfig:
         raise UnsupportedModel(f"config.json: {e}; remove fibjax_attention to import the weights as a dense model") from None
 
 
+def sliding_window(hf: dict, model_type: str) -> int | None:
+    """transformers' sliding window W when every layer uses it (query i attends keys j with
+    0 <= i - j < W: ``masking_utils.sliding_window_overlay``), None for full attention; a model
+    whose layers mix the two is refused by name. Mistral slides whenever ``sliding_window`` is
+    set; Qwen2 only with ``use_sliding_window``, and then in the layers from ``max_window_layers``
+    on, so it imports only when that is every layer; ``layer_types`` (transformers 5) says it per
+    layer."""
+    w = hf.get("sliding_window")
+    types = set(hf.get("layer_types") or [])
+    if types - {"full_attention", "sliding_attention"}:
+        raise UnsupportedModel(f"config.json: layer_types {sorted(types)} is not supported; only full_attention and sliding_attention layers")
+    if types:
+        slides = types == {"sliding_attention"}
+        if len(types) > 1:
+            raise UnsupportedModel(f"config.json: layer_types mixes {sorted(types)}; fibjax runs one attention in every layer")
+    elif model_type == "qwen2" and hf.get("use_sliding_window") and w is not None:
+        first = hf.get("max_window_layers", 0)
+        if 0 < first < hf["num_hidden_layers"]:
+            raise UnsupportedModel(
+                f"config.json: use_sliding_window with max_window_layers={first} slides in layers {first}.. only; fibjax runs one attention in every layer"
+            )
+        slides = first == 0
+    else:
+        slides = model_type == "mistral"
+    if not slides or w is None:
+        return None
+    if not _positive_int(w):
+        raise UnsupportedModel(f"config.json: sliding_window={w!r} is not a positive integer")
+    return w
+
+
 def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
     """The ModelConfig computing what ``hf`` (a parsed config.json) computes; UnsupportedModel
     naming the first field that stands in the way."""
@@ -155,11 +187,13 @@ def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32")
     for name, value in MUST_BE.items():
         if name in hf and hf[name] != value:
             raise UnsupportedModel(f"config.json: {name}={hf[name]!r} is not supported (fibjax's layers need {value!r})")
-    if hf.get("sliding_window") is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
-        raise UnsupportedModel(f"config.json: sliding_window={hf['sliding_window']} (sliding-window attention) is not supported: only full attention")
     check_fields(hf)
-    if any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise UnsupportedModel(f"config.json: layer_types {sorted(set(hf['layer_types']))} is not supported; only full_attention layers")
+    window, attention = sliding_window(hf, model_type), attention_of(hf)
+    if window is not None:
+        slid = AttentionConfig(kind=registry.SLIDING_WINDOW, window=window)
+        if hf.get("fibjax_attention") and attention != slid:
+            raise UnsupportedModel(f"config.json: sliding_window={window} and fibjax_attention (kind {attention.kind}) name different attentions; remove one")
+        attention = slid
     heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     try:
         return ModelConfig(
@@ -173,13 +207,21 @@ def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32")
             norm_eps=float(hf.get("rms_norm_eps") or 1e-6),
             qkv_bias=FAMILY[model_type],
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention=attention_of(hf),
+            attention=attention,
             dtype=dtype,
             param_dtype=param_dtype,
             **_rope_fields(hf),
         )
     except ConfigError as e:
         raise UnsupportedModel(f"config.json describes no model fibjax can build: {e}") from None
+
+
+def transformers_window(cfg: ModelConfig, model_type: str) -> int | None:
+    """The sliding window transformers runs for ``cfg`` exported as ``model_type`` (Mistral and
+    Qwen2 have one, Llama not), None when the model is not a sliding window."""
+    if cfg.attention.kind == registry.SLIDING_WINDOW and model_type in ("mistral", "qwen2"):
+        return cfg.attention.window
+    return None
 
 
 def hf_config(cfg: ModelConfig, model_type: str, max_position_embeddings: int, extra: dict | None = None) -> dict:
@@ -220,5 +262,8 @@ def hf_config(cfg: ModelConfig, model_type: str, max_position_embeddings: int, e
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     if model_type in ("mistral", "qwen2"):
-        out.update(sliding_window=None, use_sliding_window=False)
+        window = transformers_window(cfg, model_type)
+        out.update(sliding_window=window, use_sliding_window=window is not None)
+        if model_type == "qwen2" and window is not None:
+            out.update(max_window_layers=0)  # from layer 0 on: every layer slides
     return {**out, **(extra or {})}

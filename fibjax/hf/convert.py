@@ -38,7 +38,7 @@ from fibjax.data.tokenizer import TOKENIZER_CONFIG, TokenizerError, load_tokeniz
 from fibjax.errors import FibjaxError
 from fibjax.hf import params as params_lib
 from fibjax.hf import safetensors, weights
-from fibjax.hf.config import FAMILY, UnsupportedModel, hf_config, model_config, read_json
+from fibjax.hf.config import FAMILY, UnsupportedModel, hf_config, model_config, read_json, transformers_window
 from fibjax.hf.params import hf_tensors, place
 from fibjax.run.workdir import IMPORTED_FILE as SOURCE_FILE
 
@@ -207,7 +207,8 @@ def export_model(workdir: str | Path, out_dir: str | Path, *, step: int | None =
         raise UnsupportedModel(f"--model-type {model_type!r}: supported {', '.join(FAMILY)}")
     attention = cfg.attention
     notes = {}
-    if kinds.kind_of(attention).sparse or run.cfg.ssa.enabled:  # transformers would run other attention
+    runs_same = transformers_window(cfg, model_type) is not None  # a sliding window transformers runs itself
+    if (kinds.kind_of(attention).sparse and not runs_same) or run.cfg.ssa.enabled:  # transformers would run other attention
         notes["fibjax_attention"] = {**to_dict(attention), "ssa": run.cfg.ssa.enabled}
     stored = np.dtype(dtype or cfg.param_dtype)
     carried = source.get("config", {})

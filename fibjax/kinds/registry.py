@@ -37,6 +37,8 @@ FULL = "dense"
 # The sparse attention a dense-trained model is evaluated under by --inference-mode sparse
 # (paper B's "attention gap": MoBA blocks with the config's block budget).
 DEFAULT_SPARSE = "block_sparse"
+# The kind a transformers ``sliding_window`` (Mistral's) imports onto: the last W keys, itself included
+SLIDING_WINDOW = "window"
 
 
 def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
