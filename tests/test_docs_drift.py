@@ -77,22 +77,29 @@ def _strings(path: Path):
             yield node.lineno, node.value
 
 
-MESSAGE_COMMAND = re.compile(r"(?:(?:nice|time|/usr/bin/time -v) )*python3? -m launch\.\w+(?:\\\n|[^\n`;()])*")
+# a command quoted in a message ends where the prose resumes: at a newline, a backtick, ";", "(", ")" or ", "
+MESSAGE_COMMAND = re.compile(r"(?:(?:nice|time|/usr/bin/time -v) )*python3? -m launch\.\w+(?:\\\n|,(?! )|[^\n`;(),])*")
+
+
+def _quoted_commands(text: str):
+    """(module, words) of each ``python -m launch.X ...`` quoted inside a message or prose."""
+    for command in MESSAGE_COMMAND.findall(text):
+        yield from _commands_in(command)
 
 
 def _all_commands():
     for page in [p for p in PAGES if p != LOG]:
         for span in _prose_code(page):
-            for module, words in _commands_in(span):
-                if not words:
-                    continue  # `python -m launch.bench`: a mention of the module, not a command
-                yield pytest.param(module, words, id=f"{_rel(page)}: {module} {' '.join(words)}"[:150])
+            found = list(_commands_in(span))
+            if any(module == "?" for module, _ in found) and not span.lstrip().startswith(("python", "nice", "time", "/usr")):
+                found = list(_quoted_commands(span))  # `error: ... python -m launch.eval ...`: a message quoted in the prose
+            for module, words in found:
+                if words:  # a bare `python -m launch.bench` is a mention of the module, not a command
+                    yield pytest.param(module, words, id=f"{_rel(page)}: {module} {' '.join(words)}"[:150])
     for path in [p for p in SOURCES if p.suffix == ".py"]:
         for line, text in _strings(path):
-            for command in MESSAGE_COMMAND.findall(text):
-                for module, words in _commands_in(re.split(r" \(|, ", command)[0]):  # prose resumes after " (" or ", "
-                    if not words:
-                        continue
+            for module, words in _quoted_commands(text):
+                if words:
                     yield pytest.param(module, words, id=f"{_rel(path)}:{line}: {module} {' '.join(words)}"[:150])
 
 
