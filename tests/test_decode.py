@@ -169,25 +169,34 @@ def test_text_streamer_prints_complete_characters_only():
 # --- launch.sample on a real (tiny) run -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def tiny_run(tmp_path_factory, kind: str):
     from fibjax.train.loop import train
 
-    workdir = tmp_path_factory.mktemp("runs") / "tiny"
+    workdir = tmp_path_factory.mktemp("runs") / f"tiny_{kind}"
+    attention = AttentionConfig(kind="offset", alpha="staggered", window=4) if kind == "offset" else AttentionConfig(kind=kind)
     cfg = TrainConfig(
         name="tiny",
         steps=2,
         seq_len=32,
         global_batch=8,
-        model=ModelConfig(
-            vocab_size=384, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, attention=AttentionConfig(kind="offset", alpha="staggered", window=4)
-        ),
+        model=ModelConfig(vocab_size=384, d_model=32, num_layers=2, num_heads=2, num_kv_heads=1, attention=attention),
         data=DataConfig(default_vocab_size=384),
         checkpoint=CheckpointConfig(every_steps=2, async_save=False),
         eval=EvalConfig(at_end=False),
     )
     train(cfg, workdir, progress=False)
     return workdir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tiny_run(tmp_path_factory, "offset")
+
+
+@pytest.fixture(scope="module")
+def dense_run_dir(tmp_path_factory):
+    """Trained dense: a checkpoint records its model, so a dense run cannot be made by editing config.json."""
+    return tiny_run(tmp_path_factory, "dense")
 
 
 def variant(run_dir, tmp_path, edit=None):
@@ -227,9 +236,9 @@ def test_sample_streams_a_continuation(run_dir, capsys, tmp_path):
     assert rc == 0 and out.startswith(prompt) and len(out) > len(prompt) and "step 2" in err
 
 
-def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
+def test_sample_under_sparse_inference(dense_run_dir, capsys, tmp_path):
     """A dense run sampled with --inference-mode sparse: MoBA blocks of the given budget, decoded with block sums."""
-    dense = variant(run_dir, tmp_path, lambda c: c["model"]["attention"].update(kind="dense"))
+    dense = variant(dense_run_dir, tmp_path)
     rc, out, err = cli(
         capsys,
         "--workdir",
@@ -255,10 +264,9 @@ def test_sample_under_sparse_inference(run_dir, capsys, tmp_path):
     np.testing.assert_allclose(cached, full, atol=TOL["float32"], rtol=0)
 
     def as_ssa(c):
-        c["model"]["attention"].update(kind="dense")
         c["ssa"].update(enabled=True, sparse_kind="block_sparse")
 
-    ssa = variant(run_dir, tmp_path / "ssa", as_ssa)  # an SSA run decodes under either stream alone
+    ssa = variant(dense_run_dir, tmp_path / "ssa", as_ssa)  # an SSA run decodes under either stream alone
     for mode, kind in (("sparse", "block_sparse"), ("full", "dense")):
         rc, out, err = cli(capsys, "--workdir", ssa, "--prompt", "The for statement", "--max-new-tokens", 4, "--greedy", "--inference-mode", mode)
         assert rc == 0 and out.startswith("The for statement"), err
@@ -289,8 +297,8 @@ def test_sample_errors(run_dir, capsys, tmp_path):
     assert rc == 2 and "no checkpoint for step 7" in err
 
 
-def test_sample_refuses_a_prompt_longer_than_a_dense_model_takes(run_dir, capsys, tmp_path):
-    dense = variant(run_dir, tmp_path, lambda c: c["model"]["attention"].update(kind="dense"))
+def test_sample_refuses_a_prompt_longer_than_a_dense_model_takes(run_dir, dense_run_dir, capsys, tmp_path):
+    dense = variant(dense_run_dir, tmp_path)
     long_prompt = "for x in range(10): print(x)\n" * 8  # > 32 tokens, the training length
     rc, _, err = cli(capsys, "--workdir", dense, "--prompt", long_prompt, "--max-new-tokens", 4)
     assert rc == 2 and "takes at most 32 tokens" in err
