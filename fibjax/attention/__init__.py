@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import TYPE_CHECKING
 
 from fibjax.attention.alpha import alpha_schedule, alpha_to_logit, coprime_stride, logit_to_alpha
 from fibjax.attention.offsets import FIBONACCI_RUNGS, attended_distances, base_rungs, bounded_base, rung_slots, rung_taps
+
+if TYPE_CHECKING:
+    from fibjax.attention.api import block_sparse_attention, dense_attention, interpolated_attention, offset_attention
+    from fibjax.attention.block_sparse import dropped_mass, select_blocks
+    from fibjax.attention.nsa import compress_blocks, nsa_attention
+    from fibjax.attention.window import sinks_attention, window_attention
 
 # name -> the submodule that defines it (imported when first asked for)
 _LAZY = {

@@ -2,7 +2,7 @@
 
 Built in: ``dense``, ``offset`` (paper A; learned or interpolated alpha runs as the
 ``interpolated`` variant), ``block_sparse`` (MoBA, paper B) and ``nsa``. A new kind is one
-:class:`AttentionKind` subclass and one :func:`register` call; the model, the decoder, the
+[AttentionKind][fibjax.kinds.AttentionKind] subclass and one [register][fibjax.kinds.register] call; the model, the decoder, the
 evaluator, the probe, the reports and the benchmarks then take it by name
 (``model.attention.kind=<name>``). ``docs/guides/attention-in-your-model.md`` has an example.
 
@@ -13,8 +13,12 @@ first asked for.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from fibjax.kinds.registry import DEFAULT_SPARSE, FULL, get, kind_of, names, register, unregister
+
+if TYPE_CHECKING:
+    from fibjax.kinds.base import KV, AttentionKind, LayerPlan
 
 _LAZY = {"AttentionKind": "fibjax.kinds.base", "KV": "fibjax.kinds.base", "LayerPlan": "fibjax.kinds.base"}
 
@@ -25,4 +29,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fibjax.kinds' has no attribute {name!r}")
 
 
-__all__ = ["DEFAULT_SPARSE", "FULL", "KV", "AttentionKind", "LayerPlan", "get", "kind_of", "names", "register", "unregister"]
+__all__ = ["AttentionKind", "DEFAULT_SPARSE", "FULL", "KV", "LayerPlan", "get", "kind_of", "names", "register", "unregister"]
