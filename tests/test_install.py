@@ -37,8 +37,7 @@ def test_no_message_tells_a_wheel_user_to_install_from_a_clone():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if "pip install -e" in line and "fibjax[" not in line and "in a clone" not in line and "def pip_install" not in line:
                 bare.append(f"{path.relative_to(ROOT)}:{n}")
-    # fibjax/train/loop.py's message belongs to the training loop's owner (issue 54's report)
-    assert bare in ([], ["fibjax/train/loop.py:98"])
+    assert bare == []
     assert any("pip install -e" in line for line in errors.pip_install.__doc__.splitlines())
 
 

@@ -34,7 +34,7 @@ from fibjax import distributed, sharding
 from fibjax.config import ConfigError, TrainConfig, parse_weights
 from fibjax.data import DataError
 from fibjax.data.token_files import META_FILE, check_token_ids, free_space, open_tokens
-from fibjax.errors import FibjaxError
+from fibjax.errors import FibjaxError, pip_install
 from fibjax.run.checkpoints import Checkpointer, DamagedCheckpoint
 from fibjax.run.curves import curve_key, curve_values
 from fibjax.run.failures import disk_full
@@ -95,7 +95,7 @@ def check_data(cfg: TrainConfig, data_dir: Path, workdir: Path) -> tuple[str, di
         if cfg.data.path and _prepares(cfg.data.prepare, cfg.data.path) and not (data_dir / META_FILE).exists():
             raise DataError(
                 f"data directory {str(data_dir)!r} {'holds no prepared data' if data_dir.exists() else 'does not exist'}; this config's data "
-                f'is prepared (online: Hugging Face datasets, pip install -e ".[hf]") by: {cfg.data.prepare}'
+                f"is prepared (online: Hugging Face datasets, {pip_install('hf')}) by: {cfg.data.prepare}"
             ) from None
         if cfg.data.path:
             raise
