@@ -126,6 +126,14 @@ def get_study() -> Study:
                 reference="dense_seed44",
             ),
             FigureGroup("at_512", "trained at 512 tokens", ("dense_512", "fib_stagger_w8_512"), reference="dense_512"),
+            # issue 51: dense seed 44 plain and under a window, sinks, YaRN and NTK, beside Fibonacci and
+            # the window of equal cost of the same seed
+            FigureGroup(
+                "baselines",
+                "against what practitioners use (seed 44)",
+                ("dense_seed44", "fib_fixed_w8_seed44", "fib_stagger_w8_seed44", "window_equal_w8_seed44", "dense_retrofit_stagger_w8"),
+                reference="dense_seed44",
+            ),
             FigureGroup(
                 "paper_b", "paper B's models at 256 tokens", ("ssa_fullattn", "ssa_moba", "ssa_ssa", "ssa_nsa", "ssa_ssa_fib"), reference="ssa_fullattn"
             ),
