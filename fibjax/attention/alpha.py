@@ -10,6 +10,10 @@ span (sigmoid never reaches 0 or 1), so a learned run's true starting alphas are
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
 
 ALPHA_MIN, ALPHA_MAX = 0.5, 1.5
 SCHEDULES = ("fixed", "staggered", "coprime", "learned")
@@ -18,12 +22,30 @@ PARAM = "alpha_logit"  # the learned layer's parameter: params["blocks"][i]["att
 
 
 def coprime_stride(num_layers: int) -> int:
-    """Largest s in [2, L // 2] with gcd(s, L) = 1, or 1 (the linear order) when none exists."""
+    """Largest s in [2, L // 2] with gcd(s, L) = 1, or 1 (the linear order) when none exists.
+
+    Args:
+        num_layers: The number of layers L.
+
+    Returns:
+        The stride s (1 when no s in [2, L // 2] is coprime with L).
+    """
     return next((s for s in range(num_layers // 2, 1, -1) if math.gcd(s, num_layers) == 1), 1)
 
 
 def alpha_schedule(schedule: str, num_layers: int) -> tuple[float, ...]:
-    """Per-layer alpha for ``schedule`` in fixed | staggered | coprime | learned (its initial values)."""
+    """Per-layer alpha for ``schedule`` in fixed | staggered | coprime | learned (its initial values).
+
+    Args:
+        schedule: ``"fixed"``, ``"staggered"``, ``"coprime"`` or ``"learned"``.
+        num_layers: The number of layers.
+
+    Returns:
+        One alpha per layer.
+
+    Raises:
+        ValueError: ``num_layers < 1`` or an unknown ``schedule``.
+    """
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if schedule in ("fixed", "learned"):
@@ -40,13 +62,28 @@ def alpha_schedule(schedule: str, num_layers: int) -> tuple[float, ...]:
 def alpha_to_logit(alpha: float, margin: float = LOGIT_MARGIN) -> float:
     """A learned layer's parameter: the logit with 0.5 + sigmoid(logit) = alpha, alpha first
     pulled into [0.5 + margin, 1.5 - margin] (the 0.55-1.45 span the paper reports for
-    staggered-init runs)."""
+    staggered-init runs).
+
+    Args:
+        alpha: The layer's alpha.
+        margin: How far inside (0.5, 1.5) alpha is pulled first.
+
+    Returns:
+        The logit.
+    """
     a = min(max(alpha, ALPHA_MIN + margin), ALPHA_MAX - margin) - ALPHA_MIN
     return math.log(a / (1.0 - a))
 
 
-def logit_to_alpha(logit):
-    """0.5 + sigmoid(logit): a float for a float, a JAX array for an array (traced or not)."""
+def logit_to_alpha(logit: float | jax.Array) -> float | jax.Array:
+    """0.5 + sigmoid(logit): a float for a float, a JAX array for an array (traced or not).
+
+    Args:
+        logit: A Python float or a JAX array.
+
+    Returns:
+        alpha in (0.5, 1.5), of the same kind as ``logit``.
+    """
     if isinstance(logit, int | float):
         return ALPHA_MIN + 1.0 / (1.0 + math.exp(-logit))
     import jax

@@ -37,12 +37,26 @@ from fibjax.attention.sharded import per_shard
 Array = jax.Array
 
 
-def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False, implementation: str | None = None):
+def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False, implementation: str | None = None) -> Array | tuple[Array, Array]:  # noqa: DOC503
     """Plain causal attention: query i attends every key j <= i.
 
     ``implementation``: None (or "pallas") takes the platform's fused kernel where its shape
     rules hold (cuDNN flash attention on GPU for bf16/fp16, JAX's Pallas flash attention on TPU;
-    ``fibjax.attention.fused``), "xla" the XLA path; CPU and ``return_lse`` always the XLA path."""
+    ``fibjax.attention.fused``), "xla" the XLA path; CPU and ``return_lse`` always the XLA path.
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        implementation: None, ``"pallas"`` or ``"xla"``.
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: An unknown ``implementation`` or shapes that disagree.
+    """
     check_qkv(q, k, v)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
@@ -51,11 +65,28 @@ def dense_attention(q: Array, k: Array, v: Array, *, return_lse: bool = False, i
     return dense_attention_fused(q, k, v)
 
 
-def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False, implementation: str | None = None):
+def offset_attention(  # noqa: DOC502
+    q: Array, k: Array, v: Array, *, distances: Sequence[int], return_lse: bool = False, implementation: str | None = None
+) -> Array | tuple[Array, Array]:
     """Static offset attention: query i attends keys i - d for d in ``distances`` (i >= d).
 
     ``distances`` are Python ints known at trace time, usually from
-    :func:`fibjax.attention.attended_distances`.
+    [attended_distances][fibjax.attention.attended_distances].
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        distances: The attended distances (ints >= 0; sorted and deduplicated here).
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        implementation: None, ``"pallas"`` or ``"xla"`` (module docstring).
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: Empty or negative ``distances``, an unknown ``implementation`` or shapes that
+            disagree.
     """
     check_qkv(q, k, v)
     distances = _check_distances(distances)
@@ -66,8 +97,8 @@ def offset_attention(q: Array, k: Array, v: Array, *, distances: Sequence[int], 
 
 
 def interpolated_attention(
-    q: Array, k: Array, v: Array, *, window: int, base: offsets.Base, alpha, return_lse: bool = False, implementation: str | None = None
-):
+    q: Array, k: Array, v: Array, *, window: int, base: offsets.Base, alpha: float | Array, return_lse: bool = False, implementation: str | None = None
+) -> Array | tuple[Array, Array]:
     """Learned-alpha attention: window {0..W} plus interpolated rungs at alpha * f.
 
     ``alpha`` may be a traced scalar (it is differentiable, and changing it never recompiles:
@@ -76,6 +107,23 @@ def interpolated_attention(
     float is a *frozen* alpha (inference after training): on the XLA path the same rungs and
     weights are compiled as constants with static shifts, as cheap as the static path; each new
     float compiles again, so pass an array to vary it.
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        window: W, the dense window {0..W}.
+        base: The rungs: ``"fibonacci"``, ``"pow2"`` or a sequence of ints.
+        alpha: The rung scale: a (traced) scalar array, or a Python float for a frozen alpha.
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        implementation: None, ``"pallas"`` or ``"xla"`` (module docstring).
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: ``window`` not an int >= 0, a concrete ``alpha`` outside [0.5, 1.5], an unknown
+            ``implementation`` or shapes that disagree.
     """
     check_qkv(q, k, v)
     if not _is_int(window) or window < 0:
@@ -95,9 +143,9 @@ def interpolated_attention(
     return interpolated_attention_xla(q, k, v, window=window, base=base, alpha=alpha, return_lse=return_lse)
 
 
-def block_sparse_attention(
+def block_sparse_attention(  # noqa: DOC502
     q: Array, k: Array, v: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", return_lse: bool = False, implementation: str | None = None
-):
+) -> Array | tuple[Array, Array]:
     """Causal block-sparse attention: each query attends its own block (up to itself) and the
     ``num_blocks - 1`` earlier blocks of ``block_size`` keys that rank highest by ``block_rank``
     (``fibjax.attention.block_sparse``: the group-summed q . mean key, or NSA's group-summed
@@ -107,6 +155,24 @@ def block_sparse_attention(
     lse [B,T,H] float32 with ``return_lse=True``. ``num_blocks >= ceil(T / block_size)`` is
     dense causal attention. ``implementation="pallas"``: the block-sparse kernels
     (``pallas/block_ops.py``; the same choice of blocks, the same function).
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        block_size: Keys per block.
+        num_blocks: Blocks each query attends, its own included.
+        block_rank: ``"mean_key"`` or NSA's per-head probability ranking
+            (``fibjax.attention.block_sparse.BLOCK_RANKS``).
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        implementation: None, ``"pallas"`` or ``"xla"``.
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: ``block_size`` or ``num_blocks`` not an int >= 1, an unknown ``block_rank`` or
+            ``implementation``, or shapes that disagree.
     """
     check_qkv(q, k, v)
     check_budget(block_size, num_blocks, block_rank)

@@ -221,7 +221,7 @@ def block_sparse_attention_xla(
     pair_tile: int = block_grouped.TILE,
     tile_chunk: int = block_grouped.CHUNK,
 ):
-    """The XLA program behind :func:`block_sparse_attention` (no argument checks). ``rank_keys``
+    """The XLA program behind [block_sparse_attention][fibjax.attention.block_sparse_attention] (no argument checks). ``rank_keys``
     [B, N', K, D] (N' <= T // block_size, NSA's compressed keys) replace the block means in the
     ranking. ``query_chunk``: queries per step of the choice; ``pair_tile``, ``tile_chunk``: the
     attention's tiles (``block_grouped``)."""
@@ -252,13 +252,29 @@ def _select_all(q: Array, k: Array, rank_keys: Array | None, *, block_size: int,
     return jnp.swapaxes(idx_BKTS, 1, 2)[:, :t]
 
 
-def select_blocks(q: Array, k: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", rank_keys: Array | None = None) -> Array:
+def select_blocks(  # noqa: DOC502
+    q: Array, k: Array, *, block_size: int, num_blocks: int, block_rank: str = "mean_key", rank_keys: Array | None = None
+) -> Array:
     """The blocks each (batch, query, KV head) attends: int32 [B,T,K,S'], S' = min(S, ceil(T/B)).
 
     Slot 0 is the query's own block; then the chosen earlier blocks, best score first (equal
     scores: lower block first); -1 fills slots a query cannot use (fewer earlier blocks than S-1).
     The same choice :func:`block_sparse_attention` makes; ``rank_keys`` [B, T // B, K, D] stand
     for the blocks instead of their means (NSA's compressed keys).
+
+    Args:
+        q: Queries [B,T,H,D].
+        k: Keys [B,T,K,D].
+        block_size: Keys per block.
+        num_blocks: S, the blocks each query attends, its own included.
+        block_rank: How blocks are ranked (``BLOCK_RANKS``).
+        rank_keys: Optional keys [B, T // B, K, D] that stand for the blocks.
+
+    Returns:
+        The block indices, int32 [B,T,K,S'].
+
+    Raises:
+        ValueError: A bad budget, ``block_rank`` or ``rank_keys`` shape.
     """
     check_qkv(q, k, k)
     check_budget(block_size, num_blocks, block_rank)
@@ -267,13 +283,21 @@ def select_blocks(q: Array, k: Array, *, block_size: int, num_blocks: int, block
     return _select_all(q, k, rank_keys, block_size=int(block_size), num_blocks=int(num_blocks), block_rank=block_rank)
 
 
-def dropped_mass(lse_sparse: Array, lse_full: Array, axis=None) -> Array:
+def dropped_mass(lse_sparse: Array, lse_full: Array, axis: int | tuple[int, ...] | None = None) -> Array:
     """Softmax mass full attention puts on keys a sparse pattern skips, 1 - exp(lse_sparse -
     lse_full), averaged over ``axis`` (None: every element), float32.
 
     Valid when the sparse key set is a subset of the full one (then lse_sparse <= lse_full; the
     difference is clipped at 0 against rounding, so the result lies in [0, 1]). A row whose full
     set is empty (lse_full = -inf) drops nothing; a sparse row with no key drops everything.
+
+    Args:
+        lse_sparse: The sparse pattern's log-sum-exp (``return_lse=True``).
+        lse_full: Full attention's log-sum-exp, same shape.
+        axis: The axes to average over (None: all).
+
+    Returns:
+        The dropped mass in [0, 1], float32.
     """
     lse_sparse, lse_full = jnp.asarray(lse_sparse, jnp.float32), jnp.asarray(lse_full, jnp.float32)
     finite = jnp.isfinite(lse_full)

@@ -50,7 +50,17 @@ def compress_blocks(x_BTKD: Array, pos_JD: Array, w_in_XF: Array, w_out_FD: Arra
     [B,T,K,D] -> [B,N,K,D] over the N = T // J complete blocks (J = pos rows; P the intra-block
     position embedding [J, D], W_in [J*D, F], W_out [F, D]). The mean is the reference code's
     whole compression; the MLP is the paper's learned phi, added on top so that W_out = 0 (the
-    model's initialisation) is exactly the reference. Computed in x's dtype, the mean in float32."""
+    model's initialisation) is exactly the reference. Computed in x's dtype, the mean in float32.
+
+    Args:
+        x_BTKD: Keys or values [B,T,K,D].
+        pos_JD: The intra-block position embedding P [J, D].
+        w_in_XF: W_in [J*D, F].
+        w_out_FD: W_out [F, D].
+
+    Returns:
+        The compressed blocks [B,N,K,D] in x's dtype.
+    """
     b, t, kh, d = x_BTKD.shape
     j = pos_JD.shape[0]
     n = t // j
@@ -272,17 +282,36 @@ def nsa_attention_xla(
     return (out_BTHD, lse_slc) if return_lse else out_BTHD
 
 
-def nsa_attention(
+def nsa_attention(  # noqa: DOC503
     q: Array, k: Array, v: Array, k_cmp: Array, v_cmp: Array, gates: Array, *, block_size: int, num_blocks: int, window: int, return_lse: bool = False
-):
+) -> Array | tuple[Array, Array]:
     """Causal NSA attention (module docstring): gated compressed, selected and window branches.
 
     q [B,T,H,D], k/v [B,T,K,D] with RoPE applied; k_cmp/v_cmp [B, T // block_size, K, D] the
-    compressed blocks (:func:`compress_blocks` of k and v); gates [B,T,H,3] in the order
+    compressed blocks ([compress_blocks][fibjax.attention.compress_blocks] of k and v); gates [B,T,H,3] in the order
     (compressed, selected, window). Scale 1/sqrt(D); output in q's dtype. ``return_lse=True``
     adds the *selected* branch's lse [B,T,H] float32: a gated mixture has no single softmax, and
     the selected branch is the one whose key set (a subset of the causal keys) the dropped-mass
     measure of paper B compares with dense attention.
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D].
+        v: Values [B,T,K,D].
+        k_cmp: Compressed keys [B, T // block_size, K, D].
+        v_cmp: Compressed values [B, T // block_size, K, D].
+        gates: Branch gates [B,T,H,3] (compressed, selected, window).
+        block_size: Keys per block.
+        num_blocks: Blocks the selected branch attends, the query's own included.
+        window: The window branch's keys per query.
+        return_lse: Also return the selected branch's lse [B,T,H] float32.
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: ``window`` not an int >= 0, ``gates`` of the wrong shape, a bad budget or shapes
+            that disagree.
     """
     check_qkv(q, k, v)
     check_budget(block_size, num_blocks)

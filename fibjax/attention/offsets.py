@@ -30,6 +30,16 @@ def base_rungs(base: Base, seq_len: int) -> tuple[int, ...]:
     ``"pow2"``: reach-matched, every power of two <= seq_len - 1, so a longer evaluation
     length adds rungs that training never saw (the paper's control).
     A sequence of ints: used as given (positive integers).
+
+    Args:
+        base: ``"fibonacci"``, ``"pow2"`` or a sequence of positive ints.
+        seq_len: The run's sequence length.
+
+    Returns:
+        The rungs.
+
+    Raises:
+        ValueError: ``seq_len < 1``, an unknown base name or a bad explicit base.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -53,6 +63,16 @@ def bounded_base(base: Base, max_rung: int) -> Base:
     <= 255 (up to 233). The bound is part of the model, so evaluation at longer lengths keeps
     the trained list. pow2 is never bounded: it is reach-matched at the evaluated length by
     definition, which is what makes it the control.
+
+    Args:
+        base: ``"fibonacci"``, ``"pow2"`` or a sequence of positive ints.
+        max_rung: The largest rung kept (0: no bound).
+
+    Returns:
+        ``base`` unchanged when ``max_rung`` is 0, else the kept rungs.
+
+    Raises:
+        ValueError: ``max_rung < 0``, a bound on pow2, or a bound that keeps no rung.
     """
     if max_rung < 0:
         raise ValueError(f"max_rung must be >= 0 (0 = no bound), got {max_rung}")
@@ -66,8 +86,21 @@ def bounded_base(base: Base, max_rung: int) -> Base:
     return rungs
 
 
-def attended_distances(*, window: int, base: Base, alpha: float, seq_len: int) -> tuple[int, ...]:
-    """Sorted, unique distances of the static path: {0..W} U {round(alpha*f) : W < d <= T-1}."""
+def attended_distances(*, window: int, base: Base, alpha: float, seq_len: int) -> tuple[int, ...]:  # noqa: DOC503
+    """Sorted, unique distances of the static path: {0..W} U {round(alpha*f) : W < d <= T-1}.
+
+    Args:
+        window: W, the dense window {0..W}.
+        base: ``"fibonacci"``, ``"pow2"`` or a sequence of positive ints.
+        alpha: The rung scale.
+        seq_len: T, the sequence length.
+
+    Returns:
+        The distances.
+
+    Raises:
+        ValueError: ``window < 0`` or a bad ``base``.
+    """
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
     rungs = base_rungs(base, seq_len)
@@ -86,6 +119,14 @@ def rung_slots(*, window: int, base: Base, seq_len: int) -> tuple[int, ...]:
     The learned path gives each of these a slot and masks the inactive ones at run time; rungs
     outside this set can never be active (``round(1.5 f) <= W`` or ``floor(0.5 f) > T - 1``),
     so dropping them is exact and saves work.
+
+    Args:
+        window: W, the dense window {0..W}.
+        base: ``"fibonacci"``, ``"pow2"`` or a sequence of positive ints.
+        seq_len: T, the sequence length.
+
+    Returns:
+        The rungs that get a slot.
     """
     rungs = base_rungs(base, seq_len)
     return tuple(f for f in rungs if round(ALPHA_MAX * f) > window and math.floor(ALPHA_MIN * f) <= seq_len - 1)
@@ -102,6 +143,15 @@ def rung_taps(*, window: int, base: Base, alpha: float, seq_len: int) -> list[tu
     version is ``offset_xla.traced_rung_taps``. Note the window counts as "used": a rung with
     round(t) > W but lo = W (t in [W+0.5, W+1)) is skipped, as in the reference code, though the
     static path at the same alpha would attend distance W+1 (BUILD_NOTES.md, "Semantics").
+
+    Args:
+        window: W, the dense window {0..W}.
+        base: ``"fibonacci"``, ``"pow2"`` or a sequence of positive ints.
+        alpha: The rung scale.
+        seq_len: T, the sequence length.
+
+    Returns:
+        (f, lo, frac) per active rung.
     """
     used = set(range(min(window, seq_len - 1) + 1))
     spec = []

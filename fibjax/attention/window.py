@@ -87,14 +87,32 @@ def _check(q, k, v, window, sinks, implementation):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
-def window_attention(q: Array, k: Array, v: Array, *, window: int, return_lse: bool = False, implementation: str | None = None, query_chunk: int | None = None):
+def window_attention(  # noqa: DOC502
+    q: Array, k: Array, v: Array, *, window: int, return_lse: bool = False, implementation: str | None = None, query_chunk: int | None = None
+) -> Array | tuple[Array, Array]:
     """Sliding-window attention: query i attends keys j with 0 <= i - j < ``window`` (the last W
     keys, itself included; W >= T is dense causal attention).
 
     ``implementation``: None (or "pallas") takes cuDNN's sliding-window flash attention on a GPU
     where cuDNN takes the call (bf16/fp16, head dim a multiple of 8 up to 128), else the XLA
     path; "xla" the XLA path; ``return_lse`` always the XLA path. ``query_chunk``: the XLA path's
-    queries per chunk (default max(W, 32))."""
+    queries per chunk (default max(W, 32)).
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        window: W >= 1, the keys per query.
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        implementation: None, ``"pallas"`` or ``"xla"``.
+        query_chunk: The XLA path's queries per chunk.
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: A bad ``window``, an unknown ``implementation`` or shapes that disagree.
+    """
     _check(q, k, v, window, 0, implementation)
     window = int(window)
     xla = functools.partial(band_attention_xla, window=window, return_lse=return_lse, query_chunk=query_chunk)
@@ -106,12 +124,29 @@ def window_attention(q: Array, k: Array, v: Array, *, window: int, return_lse: b
         return xla(q, k, v)
 
 
-def sinks_attention(
+def sinks_attention(  # noqa: DOC503
     q: Array, k: Array, v: Array, *, sinks: int, window: int, q_sinks: Array | None = None, return_lse: bool = False, query_chunk: int | None = None
-):
+) -> Array | tuple[Array, Array]:
     """Attention sinks plus a sliding window (StreamingLLM): query i attends the first ``sinks``
     positions j < S (j <= i) and the keys with 0 <= i - j < ``window``, each key once. The sink
-    columns are scored with ``q_sinks`` where given (same shape as q; default q). XLA only."""
+    columns are scored with ``q_sinks`` where given (same shape as q; default q). XLA only.
+
+    Args:
+        q: Queries [B,T,H,D], RoPE applied.
+        k: Keys [B,T,K,D] (H a multiple of K).
+        v: Values [B,T,K,D].
+        sinks: S, the sink positions.
+        window: W, the window's keys per query.
+        q_sinks: Queries for the sink columns (default q).
+        return_lse: Also return the log-sum-exp [B,T,H] float32.
+        query_chunk: The XLA path's queries per chunk.
+
+    Returns:
+        The output [B,T,H,D] in q's dtype; with ``return_lse``, the pair (output, lse).
+
+    Raises:
+        ValueError: ``q_sinks`` not of q's shape, bad ``sinks`` or ``window``, or shapes that disagree.
+    """
     _check(q, k, v, window, sinks, None)
     if q_sinks is not None and q_sinks.shape != q.shape:
         raise ValueError(f"q_sinks must have q's shape {q.shape}, got {q_sinks.shape}")
