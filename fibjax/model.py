@@ -315,4 +315,12 @@ def graphdef_of(cfg: ModelConfig) -> nnx.GraphDef:
 
 
 def count_params(model: nnx.Module) -> int:
+    """The number of trainable parameters (every ``nnx.Param`` element) of ``model``.
+
+    Args:
+        model: The model.
+
+    Returns:
+        The count.
+    """
     return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

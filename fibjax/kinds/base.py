@@ -20,7 +20,7 @@ or prompt, H query heads, K KV heads, G = H/K, E head dim, M cache rows, S atten
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,10 @@ import numpy as np
 
 from fibjax.attention.common import group_queries, masked_softmax, stats_dtype
 from fibjax.errors import FibjaxError
+
+if TYPE_CHECKING:
+    from flax import nnx
+    from jax.typing import DTypeLike
 
 Array = jax.Array
 # A kind reads the frozen ``fibjax.config.AttentionConfig`` (``acfg``) and ``ModelConfig`` (``cfg``)
@@ -72,74 +76,224 @@ class AttentionKind:
     one_softmax: bool = True
 
     def resolve(self, acfg: AttentionConfig) -> AttentionKind:
-        """The kind that runs ``acfg`` (self, or a variant of it)."""
+        """The kind that runs ``acfg`` (self, or a variant of it).
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+
+        Returns:
+            The kind that runs it.
+        """
         return self
 
     def label(self, acfg: AttentionConfig) -> str:
-        """How reports name this attention."""
+        """How reports name this attention.
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+
+        Returns:
+            The label.
+        """
         return self.name
 
     # --- the layer --------------------------------------------------------------------------
 
-    def params(self, cfg: ModelConfig, layer: int, rngs) -> dict[str, Any]:
+    def params(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> dict[str, Any]:
         """Parameters this kind adds to a layer's attention module, as {attribute: nnx module or
-        variable} (their names are the checkpoint's paths: keep them stable)."""
+        variable} (their names are the checkpoint's paths: keep them stable).
+
+        Args:
+            cfg: The ``ModelConfig``.
+            layer: The layer's index.
+            rngs: The ``nnx.Rngs`` to initialise them with.
+
+        Returns:
+            {attribute: module or variable}; empty by default.
+        """
         return {}
 
     has_alpha: bool = False  # the layer has a rung scale alpha (paper A's offsets)
 
     def learns_alpha(self, acfg: AttentionConfig) -> bool:
+        """Whether the layer's alpha is a trained parameter under ``acfg`` (never, by default).
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+
+        Returns:
+            True when alpha is learned.
+        """
         return False
 
-    def alpha(self, attn, acfg: AttentionConfig):
-        """The layer's alpha under ``acfg`` (a traced value when learned), or None."""
+    def alpha(self, attn: nnx.Module, acfg: AttentionConfig) -> float | Array | None:
+        """The layer's alpha under ``acfg`` (a traced value when learned), or None.
+
+        Args:
+            attn: The layer's ``model.Attention``.
+            acfg: The layer's ``AttentionConfig``.
+
+        Returns:
+            The alpha, or None for a kind without one.
+        """
         return None
 
-    def attend(self, attn, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig, *, x_BTD: Array | None = None, return_lse: bool = False):
+    def attend(
+        self, attn: nnx.Module, q_BTHE: Array, k_BTKE: Array, v_BTKE: Array, acfg: AttentionConfig, *, x_BTD: Array | None = None, return_lse: bool = False
+    ) -> Array | tuple[Array, Array]:
         """The layer's attention output [B,T,H,E] (and lse [B,T,H] with ``return_lse``); ``attn``
-        is the layer's ``model.Attention`` (for its parameters), ``x_BTD`` its normed input."""
+        is the layer's ``model.Attention`` (for its parameters), ``x_BTD`` its normed input.
+
+        Args:
+            attn: The layer's ``model.Attention``.
+            q_BTHE: Queries, RoPE applied.
+            k_BTKE: Keys, RoPE applied.
+            v_BTKE: Values.
+            acfg: The layer's ``AttentionConfig``.
+            x_BTD: The layer's normed input (for kinds that read it, such as NSA's gates).
+            return_lse: Also return the log-sum-exp.
+
+        Returns:
+            The output, or (output, lse) with ``return_lse``.
+
+        Raises:
+            NotImplementedError: The kind defines no ``attend`` (every kind must).
+        """
         raise NotImplementedError(f"attention kind {self.name!r} defines no attend()")
 
     def scan_problem(self, acfg: AttentionConfig, num_layers: int) -> str | None:
-        """Why the layers cannot run as one scanned program (None: they can)."""
+        """Why the layers cannot run as one scanned program (None: they can).
+
+        Args:
+            acfg: The layers' ``AttentionConfig``.
+            num_layers: The number of layers.
+
+        Returns:
+            The reason, or None.
+        """
         return None
 
     # --- geometry ---------------------------------------------------------------------------
 
     def attended(self, acfg: AttentionConfig, alpha: float | None, seq_len: int) -> tuple[int, ...] | None:
         """The sorted distances a layer attends at ``seq_len``, the same for every query; None when
-        a query's keys are chosen by content (block-sparse selection)."""
+        a query's keys are chosen by content (block-sparse selection).
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+            alpha: The layer's alpha (None for a kind without one).
+            seq_len: The forward's length.
+
+        Returns:
+            The distances, or None when chosen by content.
+        """
         return tuple(range(seq_len))
 
     def reachable(self, acfg: AttentionConfig, alpha: float | None, seq_len: int) -> set[int]:
-        """Every query-key distance the layer can attend at ``seq_len`` (all of them when chosen by content)."""
+        """Every query-key distance the layer can attend at ``seq_len`` (all of them when chosen by content).
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+            alpha: The layer's alpha (None for a kind without one).
+            seq_len: The forward's length.
+
+        Returns:
+            The distances.
+        """
         attended = self.attended(acfg, alpha, seq_len)
         return set(range(seq_len)) if attended is None else set(attended)
 
     def length_dependent(self, acfg: AttentionConfig) -> bool:
-        """Whether a query's attended set depends on the length of the forward it runs in."""
+        """Whether a query's attended set depends on the length of the forward it runs in.
+
+        Args:
+            acfg: The layer's ``AttentionConfig``.
+
+        Returns:
+            True when it does (False by default).
+        """
         return False
 
     # --- decoding ---------------------------------------------------------------------------
 
-    def plan(self, attn, max_len: int) -> LayerPlan:
+    def plan(self, attn: nnx.Module, max_len: int) -> LayerPlan:
+        """The layer's decode plan at capacity ``max_len``: its cache rows and whatever its steps need.
+
+        Args:
+            attn: The layer's ``model.Attention``.
+            max_len: The decode's capacity in positions.
+
+        Returns:
+            The plan.
+
+        Raises:
+            DecodeUnavailable: The kind defines no plan (the default).
+        """
         raise DecodeUnavailable(f"decoding a {self.name!r} layer is not available: its kind defines no plan()")
 
-    def init_cache(self, plan: LayerPlan, batch: int, kv_heads: int, head_dim: int, dtype) -> tuple:
-        """The empty cache (rows a position has not written are never attended)."""
+    def init_cache(self, plan: LayerPlan, batch: int, kv_heads: int, head_dim: int, dtype: DTypeLike) -> tuple:
+        """The empty cache (rows a position has not written are never attended).
+
+        Args:
+            plan: The layer's plan.
+            batch: B.
+            kv_heads: K.
+            head_dim: E.
+            dtype: The cache's dtype.
+
+        Returns:
+            The cache ([KV][fibjax.kinds.KV] of zeros [B, K, rows, E] by default).
+        """
         return KV(*(jnp.zeros((batch, kv_heads, plan.rows, head_dim), dtype) for _ in range(2)))
 
-    def prompt(self, plan: LayerPlan, attn, q_BPHE: Array, k_BPKE: Array, v_BPKE: Array, x_BPD: Array) -> tuple[Array, tuple]:
-        """The prompt's output [B,P,H,E] (as the full forward at the capacity) and the cache after it."""
+    def prompt(self, plan: LayerPlan, attn: nnx.Module, q_BPHE: Array, k_BPKE: Array, v_BPKE: Array, x_BPD: Array) -> tuple[Array, tuple]:
+        """The prompt's output [B,P,H,E] (as the full forward at the capacity) and the cache after it.
+
+        Args:
+            plan: The layer's plan.
+            attn: The layer's ``model.Attention``.
+            q_BPHE: The prompt's queries, RoPE applied.
+            k_BPKE: Its keys, RoPE applied.
+            v_BPKE: Its values.
+            x_BPD: The layer's normed input.
+
+        Returns:
+            (output, cache).
+        """
         out = self.attend(attn, q_BPHE, k_BPKE, v_BPKE, attn.cfg.attention, x_BTD=x_BPD)
         return out, ring_cache(plan, k_BPKE, v_BPKE)
 
-    def step(self, plan: LayerPlan, attn, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, x_B1D: Array, kv: tuple, pos: Array) -> tuple[Array, tuple]:
-        """The output [B,1,H,E] of the query at ``pos`` (traced) and the cache with ``pos`` written."""
+    def step(self, plan: LayerPlan, attn: nnx.Module, q_B1HE: Array, k_B1KE: Array, v_B1KE: Array, x_B1D: Array, kv: tuple, pos: Array) -> tuple[Array, tuple]:
+        """The output [B,1,H,E] of the query at ``pos`` (traced) and the cache with ``pos`` written.
+
+        Args:
+            plan: The layer's plan.
+            attn: The layer's ``model.Attention``.
+            q_B1HE: The token's query, RoPE applied.
+            k_B1KE: Its key, RoPE applied.
+            v_B1KE: Its value.
+            x_B1D: The layer's normed input.
+            kv: The cache before ``pos``.
+            pos: The token's position.
+
+        Returns:
+            (output, cache).
+
+        Raises:
+            DecodeUnavailable: The kind defines no step (the default).
+        """
         raise DecodeUnavailable(f"decoding a {self.name!r} layer is not available: its kind defines no step()")
 
     def read_bytes(self, plan: LayerPlan, kv: tuple) -> int:
-        """Cache bytes one token's attention reads (the decode benchmark's memory traffic)."""
+        """Cache bytes one token's attention reads (the decode benchmark's memory traffic).
+
+        Args:
+            plan: The layer's plan.
+            kv: The cache.
+
+        Returns:
+            The bytes.
+        """
         return plan.rows * row_bytes(kv)
 
 

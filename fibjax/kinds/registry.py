@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fibjax.kinds.base import AttentionKind
+    from fibjax.kinds.base import AttentionConfig, AttentionKind
 
 # name -> "module:attribute" of the built-in kinds, imported when first asked for
 _BUILTIN = {
@@ -42,7 +42,18 @@ SLIDING_WINDOW = "window"
 
 
 def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
-    """Make ``kind`` available as ``model.attention.kind=<kind.name>``."""
+    """Make ``kind`` available as ``model.attention.kind=<kind.name>``.
+
+    Args:
+        kind: The kind; its ``name`` is what configs give.
+        replace: Replace a different kind registered under the same name.
+
+    Returns:
+        ``kind``.
+
+    Raises:
+        ValueError: Another kind has that name and ``replace`` is False.
+    """
     name = kind.name
     if not replace and name in names() and get(name) is not kind:
         raise ValueError(f"an attention kind named {name!r} is already registered (pass replace=True to replace it)")
@@ -51,13 +62,25 @@ def register(kind: AttentionKind, *, replace: bool = False) -> AttentionKind:
 
 
 def unregister(name: str) -> None:
-    """Remove a kind registered with :func:`register` (a test's toy kind, say)."""
+    """Remove a kind registered with [register][fibjax.kinds.register] (a test's toy kind, say).
+
+    Args:
+        name: The kind's name (unknown names are ignored).
+
+    Raises:
+        ValueError: ``name`` is a built-in kind.
+    """
     if name in _BUILTIN:
         raise ValueError(f"{name!r} is a built-in attention kind")
     _KINDS.pop(name, None)
 
 
 def names() -> tuple[str, ...]:
+    """The names of every kind a config may give: the built-in ones, then those registered.
+
+    Returns:
+        The names, in that order.
+    """
     return tuple(dict.fromkeys((*_BUILTIN, *_KINDS)))
 
 
@@ -67,7 +90,17 @@ def _load(path: str) -> AttentionKind:
 
 
 def get(name: str) -> AttentionKind:
-    """The kind registered as ``name`` (KeyError naming the known kinds otherwise)."""
+    """The kind registered as ``name`` (KeyError naming the known kinds otherwise).
+
+    Args:
+        name: The kind's name.
+
+    Returns:
+        The kind (a built-in one imported on first use).
+
+    Raises:
+        KeyError: No kind has that name.
+    """
     if name not in _KINDS:
         if name not in _BUILTIN:
             raise KeyError(f"unknown attention kind {name!r}; known: {', '.join(names())}")
@@ -87,7 +120,17 @@ def variant(name: str) -> AttentionKind:
     return _load(_VARIANTS[name])
 
 
-def kind_of(acfg) -> AttentionKind:
+def kind_of(acfg: AttentionConfig) -> AttentionKind:  # noqa: DOC502
     """The kind that runs an ``AttentionConfig`` (a kind may hand a config to a variant: offsets
-    with learned or interpolated alpha run as the interpolated kind)."""
+    with learned or interpolated alpha run as the interpolated kind).
+
+    Args:
+        acfg: An ``AttentionConfig``.
+
+    Returns:
+        The kind (or its variant) that runs it.
+
+    Raises:
+        KeyError: ``acfg.kind`` names no kind.
+    """
     return get(acfg.kind).resolve(acfg)
