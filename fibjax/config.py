@@ -22,6 +22,9 @@ from fibjax.attention import alpha as alpha_lib
 from fibjax.attention import offsets
 from fibjax.errors import FibjaxError
 
+# a config dataclass (TrainConfig or one of its sections)
+C = typing.TypeVar("C")
+
 
 class ConfigError(FibjaxError, ValueError):
     """A config value or key is invalid; the message names the field."""
@@ -121,8 +124,18 @@ class AttentionConfig:
 
         return registry.get(self.kind).learns_alpha(self)
 
-    def layer_alphas(self, num_layers: int) -> tuple[float, ...]:
-        """Alpha of every layer (the initial values when learned)."""
+    def layer_alphas(self, num_layers: int) -> tuple[float, ...]:  # noqa: DOC502
+        """Alpha of every layer (the initial values when learned).
+
+        Args:
+            num_layers: The number of layers.
+
+        Returns:
+            One alpha per layer.
+
+        Raises:
+            ConfigError: An explicit alpha list whose length is not ``num_layers``.
+        """
         if isinstance(self.alpha, str):
             return alpha_lib.alpha_schedule(self.alpha, num_layers)
         _require(len(self.alpha) == num_layers, "alpha", f"needs one value per layer ({num_layers})", self.alpha)
@@ -521,8 +534,20 @@ def _parse_literal(text: str):
         return text  # a bare word is a string
 
 
-def from_dict(cls, data: dict, path: str = ""):
-    """Build dataclass ``cls`` from a (nested) dict; unknown keys are errors naming them."""
+def from_dict(cls: type[C], data: dict, path: str = "") -> C:
+    """Build dataclass ``cls`` from a (nested) dict; unknown keys are errors naming them.
+
+    Args:
+        cls: The dataclass (a config section or TrainConfig).
+        data: Its fields, sections as nested dicts.
+        path: The dotted path of ``data`` in the tree, for messages.
+
+    Returns:
+        The instance, validated.
+
+    Raises:
+        ConfigError: An unknown key or a value its field refuses, named by its path.
+    """
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -536,17 +561,37 @@ def from_dict(cls, data: dict, path: str = ""):
         raise ConfigError(f"{path + '.' if path else ''}{e}") from None
 
 
-def to_dict(cfg) -> dict:
+def to_dict(cfg: typing.Any) -> dict:
+    """The config as nested dicts (``dataclasses.asdict``): what ``from_dict`` reads back.
+
+    Args:
+        cfg: A config dataclass.
+
+    Returns:
+        The dict.
+    """
     return dataclasses.asdict(cfg)
 
 
-def apply_overrides(cfg, overrides: list[str]):
+def apply_overrides(cfg: C, overrides: list[str]) -> C:
     """Apply ``a.b.c=value`` strings; values are Python literals or bare words (strings).
 
     Every section is rebuilt once with all of its changes, so its checks see them together and
     the order of the words never matters (``rope_scaling=yarn`` before ``rope_original_len=256``
     is fine); a key given twice takes its last value (only that one is parsed and checked). A
-    section given whole (``model.attention={...}``) cannot also take field overrides."""
+    section given whole (``model.attention={...}``) cannot also take field overrides.
+
+    Args:
+        cfg: The config (a TrainConfig or a section).
+        overrides: The ``key=value`` strings.
+
+    Returns:
+        A new config with the overrides applied and checked.
+
+    Raises:
+        ConfigError: A word not of the form key=value, an unknown key, a bad value, or a section
+            given both whole and by field.
+    """
     changes: dict = {}  # field name -> nested dict (a section) or _Leaf
     for item in overrides:
         if "=" not in item:
@@ -612,7 +657,18 @@ SHIPPED_CONFIGS = (Path(__file__).resolve().parent.parent / "configs", Path(__fi
 
 def find_config_file(path: str | Path) -> Path:
     """``path`` if it is a file; else, for ``configs/X.py``, the config of that name that fibjax
-    ships, so that the documented commands work from any directory and from a wheel."""
+    ships, so that the documented commands work from any directory and from a wheel.
+
+    Args:
+        path: The path given (``--config``).
+
+    Returns:
+        The file to load.
+
+    Raises:
+        ConfigError: No such file, here or among the shipped configs (with a suggestion where one
+            fits).
+    """
     path = Path(path)
     if path.is_file():
         return path
@@ -638,12 +694,22 @@ def _config_exists(path: Path) -> bool:
     return True
 
 
-def load_config_file(path: str | Path):
+def load_config_file(path: str | Path) -> typing.Any:
     """Import a Python config file and return its ``get_config()``: a config dataclass; or read
     a run's ``config.json`` (a TrainConfig), e.g. to continue an imported model with ``init_from``.
 
     Anything that goes wrong in the file (a syntax error, a failing import, an exception in
-    ``get_config()``, a wrong return value) is one ConfigError naming the file and line."""
+    ``get_config()``, a wrong return value) is one ConfigError naming the file and line.
+
+    Args:
+        path: A Python config file or a run's ``config.json``.
+
+    Returns:
+        The config dataclass.
+
+    Raises:
+        ConfigError: The file cannot be loaded or gives no config.
+    """
     path = find_config_file(path)
     if path.suffix == ".json":
         try:

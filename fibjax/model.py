@@ -141,7 +141,12 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Token ids [B, T] -> logits [B, T, V] (float32)."""
+    """Token ids [B, T] -> logits [B, T, V] (float32).
+
+    Args:
+        cfg: The model's config.
+        rngs: The random streams its parameters are initialised from.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -167,14 +172,35 @@ class Transformer(nnx.Module):
         """Logits [B, T, V] float32; with ``targets_BT``, the per-token NLL [B, T] float32 instead,
         computed ``cfg.logits_chunk`` positions at a time so the full logits never exist.
         ``ssa``: run SSA's two streams (training); ``probe_dropped_mass``: record every layer's
-        dropped attention mass against dense attention (evaluation); ``mode``: any layer mode."""
+        dropped attention mass against dense attention (evaluation); ``mode``: any layer mode.
+
+        Args:
+            tokens_BT: Token ids [B, T].
+            positions_BT: Positions [B, T] (default 0..T-1).
+            ssa: SSA's two streams, for training with SSA.
+            probe_dropped_mass: Record each layer's dropped attention mass.
+            mode: A layer mode (overrides ``ssa`` and ``probe_dropped_mass``).
+            targets_BT: Targets [B, T]: return the per-token NLL instead of the logits.
+
+        Returns:
+            Logits [B, T, V], or the NLL [B, T] with ``targets_BT``.
+        """
         x_BTD = self.hidden(tokens_BT, positions_BT, mode=layer_mode(ssa, probe_dropped_mass, mode))
         if targets_BT is None:
             return self.logits(x_BTD)
         return chunked_nll(self.final_norm(x_BTD), self.output_table(), targets_BT, self.cfg.logits_chunk)
 
     def hidden(self, tokens_BT: Array, positions_BT: Array | None = None, *, mode: LayerMode | None = None) -> Array:
-        """The residual stream after the last block [B, T, D] (before the final norm)."""
+        """The residual stream after the last block [B, T, D] (before the final norm).
+
+        Args:
+            tokens_BT: Token ids [B, T].
+            positions_BT: Positions [B, T] (default 0..T-1).
+            mode: A layer mode (default: each layer's own attention).
+
+        Returns:
+            The residual stream [B, T, D].
+        """
         b, t = tokens_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -195,7 +221,14 @@ class Transformer(nnx.Module):
         """Embedding rows [B, T, D] in the compute dtype (``nnx.Embed``'s numbers). Under a mesh the
         table's embed dimension is gathered first (FSDP's gather of a parameter before its use):
         a lookup into a table split along D would come out split along D, and turning that into
-        the batch-split residual stream costs the partitioner a full copy."""
+        the batch-split residual stream costs the partitioner a full copy.
+
+        Args:
+            tokens_BT: Token ids [B, T].
+
+        Returns:
+            The embeddings [B, T, D].
+        """
         table_VD = self.embed.embedding[...].astype(self.cfg.dtype)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty:
@@ -205,16 +238,31 @@ class Transformer(nnx.Module):
         return jnp.take(table_VD, tokens_BT, axis=0)
 
     def output_table(self) -> Array:
-        """The output projection [V, D]: the embedding table when tied, else ``lm_head``."""
+        """The output projection [V, D]: the embedding table when tied, else ``lm_head``.
+
+        Returns:
+            The table [V, D].
+        """
         return self.embed.embedding[...] if self.cfg.tie_embeddings else self.lm_head[...]
 
     def logits(self, x_BTD: Array) -> Array:
         """Final norm and the output projection, accumulated and returned in float32 even
-        when the model computes in bf16 (the loss and every perplexity come from these)."""
+        when the model computes in bf16 (the loss and every perplexity come from these).
+
+        Args:
+            x_BTD: The residual stream [B, T, D] (``hidden``'s output).
+
+        Returns:
+            Logits [B, T, V] float32.
+        """
         return _logits(self.final_norm(x_BTD), self.output_table())
 
     def alphas(self) -> list[float | Array | None]:
-        """Per-layer alpha (None for layers without one)."""
+        """Per-layer alpha (None for layers without one).
+
+        Returns:
+            One alpha per layer: a float, a traced array when learned, or None.
+        """
         return [block.attn.alpha() for block in self.blocks]
 
 
