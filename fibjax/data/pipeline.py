@@ -35,7 +35,18 @@ __all__ = ["load_meta", "mixture_weights", "train_iterator", "validation_sources
 
 def mixture_weights(meta: dict, weights: dict[str, float]) -> dict[str, float]:
     """Normalised sampling probability of each training source (sorted by name). ``{}`` means
-    proportional to train tokens; otherwise only the named sources are sampled."""
+    proportional to train tokens; otherwise only the named sources are sampled.
+
+    Args:
+        meta: The prepared data's ``meta.json``.
+        weights: {source: weight} (``data.weights``), or ``{}``.
+
+    Returns:
+        {source: probability}, summing to 1.
+
+    Raises:
+        DataError: A weight names an unknown training source or is not positive.
+    """
     train = {name: s["train"]["tokens"] for name, s in sorted(meta["sources"].items()) if "train" in s}
     if not weights:
         weights = train
@@ -81,7 +92,25 @@ def train_iterator(
     batches for this process (inputs are ``[:, :-1]``, targets ``[:, 1:]``).
 
     ``worker_count`` > 0 reads that many steps ahead in background threads; the batches and
-    the checkpointed state are the same either way."""
+    the checkpointed state are the same either way.
+
+    Args:
+        data_dir: The prepared data.
+        weights: {source: weight}, or ``{}`` (see [mixture_weights][fibjax.data.mixture_weights]).
+        seq_len: Tokens per example, before the extra target token.
+        global_batch: Examples per step, over all processes.
+        seed: The shuffling and mixing seed.
+        process_index: This process's index.
+        process_count: The number of processes.
+        worker_count: Steps read ahead in background threads.
+
+    Returns:
+        The iterator (its state is checkpointable).
+
+    Raises:
+        DataError: A bad size, process index or worker count, or a source shorter than
+            ``seq_len + 1`` tokens.
+    """
     if seq_len < 1 or global_batch < 1:
         raise DataError(f"seq_len and global_batch must be >= 1, got {seq_len} and {global_batch}")
     if process_count < 1 or not 0 <= process_index < process_count:

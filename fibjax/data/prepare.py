@@ -207,7 +207,16 @@ def _with_checksums(out_dir: Path, meta: dict) -> dict:
 
 def prepare_default(out_dir: str | os.PathLike, vocab_size: int = 2048, *, progress: bool = False) -> dict:
     """Prepare the embedded corpus (Python's reference manual topics) into ``out_dir``; a
-    no-op when it is already there. Offline: the text ships with Python."""
+    no-op when it is already there. Offline: the text ships with Python.
+
+    Args:
+        out_dir: The data directory.
+        vocab_size: The tokenizer's vocabulary size.
+        progress: Show progress bars.
+
+    Returns:
+        The data's ``meta.json`` contents.
+    """
     return prepare(
         out_dir,
         {EMBEDDED_NAME: EMBEDDED_SPEC},

@@ -92,9 +92,21 @@ def _training_lines(texts: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, *, num_threads: int = 2) -> SentencePieceTokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, *, num_threads: int = 2) -> SentencePieceTokenizer:  # noqa: DOC503
     """Train a BPE model on ``texts`` (documents). Deterministic: the same texts in the same
-    order give the same model bytes (no sampling of the input; fixed thread count)."""
+    order give the same model bytes (no sampling of the input; fixed thread count).
+
+    Args:
+        texts: The training documents.
+        vocab_size: The vocabulary size (more than the 258 reserved pieces).
+        num_threads: SentencePiece's threads (fixed, for determinism).
+
+    Returns:
+        The trained tokenizer.
+
+    Raises:
+        TokenizerError: A vocabulary too small, no text, or SentencePiece's training failing.
+    """
     if vocab_size <= NUM_RESERVED_PIECES:
         raise TokenizerError(f"vocab_size must exceed {NUM_RESERVED_PIECES} (256 byte pieces + <unk> + </s>), got {vocab_size}")
     lines = _training_lines(texts)

@@ -116,7 +116,19 @@ def data_tokenizer(data_dir: str | os.PathLike, meta: dict | None = None) -> Tok
 def load_meta(data_dir: str | os.PathLike, *, tokenizer_sha256: str | None = None) -> dict:
     """Read and check ``DIR/meta.json``: the tokenizer file is the one the tokens were made
     with (and ``tokenizer_sha256`` when given, e.g. the one a checkpoint recorded), and every
-    token file has exactly the size its token count says."""
+    token file has exactly the size its token count says.
+
+    Args:
+        data_dir: The prepared data.
+        tokenizer_sha256: The sha256 the tokenizer must have (None: not checked).
+
+    Returns:
+        The ``meta.json`` contents.
+
+    Raises:
+        DataError: No ``meta.json``, a missing or different tokenizer, or a token file of the wrong
+            size.
+    """
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise DataError(
@@ -253,10 +265,25 @@ def verify_checksums(data_dir: str | os.PathLike, meta: dict, verified: dict | N
 
 
 def validation_tokens(data_dir: str | os.PathLike, name: str) -> np.memmap:
-    """The validation tokens of source ``name`` (documents separated by EOS), as a memmap."""
+    """The validation tokens of source ``name`` (documents separated by EOS), as a memmap.
+
+    Args:
+        data_dir: The prepared data.
+        name: The source's name.
+
+    Returns:
+        The tokens.
+    """
     return open_tokens(data_dir, load_meta(data_dir), name, "val")
 
 
 def validation_sources(meta: dict) -> list[str]:
-    """Names of the sources that have a validation split, in sorted order."""
+    """Names of the sources that have a validation split, in sorted order.
+
+    Args:
+        meta: The data's ``meta.json`` contents.
+
+    Returns:
+        The names.
+    """
     return sorted(n for n, s in meta["sources"].items() if "val" in s)

@@ -50,7 +50,13 @@ class Tokenizer(abc.ABC):
     files to both. ``Tokenizer.load(path)`` is [load_tokenizer][fibjax.data.load_tokenizer].
 
     An implementation names its file suffix as a class argument (``class X(Tokenizer,
-    suffix=".model")``) and provides ``from_file(path)``; ``load_tokenizer`` picks it by suffix."""
+    suffix=".model")``) and provides ``from_file(path)``; ``load_tokenizer`` picks it by suffix.
+
+    Args:
+        file_bytes: The tokenizer file's bytes.
+        special: Its special tokens.
+        from_side_files: Whether ``special`` came from JSON files beside it (then part of its sha256).
+    """
 
     file_name: str  # the name it is saved under, and looked for in a model directory
 
@@ -75,6 +81,14 @@ class Tokenizer(abc.ABC):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer at ``path`` ([load_tokenizer][fibjax.data.load_tokenizer]).
+
+        Args:
+            path: A tokenizer file or a model directory.
+
+        Returns:
+            The tokenizer.
+        """
         return load_tokenizer(path)
 
     @property
@@ -97,7 +111,14 @@ class Tokenizer(abc.ABC):
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``directory/file_name`` (and the special-token settings, when they came from side
         files, as ``tokenizer_config.json``) so that loading it gives the same sha256. The
-        directory must hold no other tokenizer files. Returns the tokenizer file's path."""
+        directory must hold no other tokenizer files. Returns the tokenizer file's path.
+
+        Args:
+            directory: Where to write it (created if missing).
+
+        Returns:
+            The tokenizer file's path.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if self.from_side_files:
@@ -113,18 +134,47 @@ class Tokenizer(abc.ABC):
 
     @abc.abstractmethod
     def token(self, token_id: int | None) -> str | None:
-        """The text of a token (None for None)."""
+        """The text of a token (None for None).
+
+        Args:
+            token_id: An id, or None.
+
+        Returns:
+            The token's text, or None.
+        """
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text``, without special tokens."""
+        """Ids of ``text``, without special tokens.
+
+        Args:
+            text: The text.
+
+        Returns:
+            The ids.
+        """
 
     @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """``encode`` of many documents at once (spread over threads)."""
+        """``encode`` of many documents at once (spread over threads).
+
+        Args:
+            texts: The documents.
+
+        Returns:
+            The ids of each.
+        """
 
     @abc.abstractmethod
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``.
+
+        Args:
+            ids: Token ids.
+
+        Returns:
+            The text.
+        """
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -136,7 +186,17 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A SentencePiece ``.model``, a Hugging Face ``tokenizer.json``, or a model directory holding
     either (``tokenizer.json`` preferred). JSON files beside the tokenizer file (a Hugging Face
-    model directory's) say which special tokens the source model uses; they are only read."""
+    model directory's) say which special tokens the source model uses; they are only read.
+
+    Args:
+        path: A ``.model`` file, a ``tokenizer.json`` or a directory holding either.
+
+    Returns:
+        The tokenizer.
+
+    Raises:
+        TokenizerError: No such path, or not a tokenizer file or directory.
+    """
     path = Path(path)
     if path.is_dir():
         found = [path / name for name in (HF_FILE, SENTENCEPIECE_FILE) if (path / name).is_file()]
