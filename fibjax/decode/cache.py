@@ -13,18 +13,34 @@ never wraps), except that block kinds round L up to whole blocks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 
 from fibjax import kinds
 from fibjax.kinds.base import KV, LayerPlan
+
+if TYPE_CHECKING:
+    from flax import nnx
 
 Cache = tuple  # one entry per layer: its kind's cache tuple (k, v first)
 
 __all__ = ["KV", "Cache", "LayerPlan", "cache_bytes", "init_cache", "plan_layers"]
 
 
-def plan_layers(model, max_len: int) -> tuple[LayerPlan, ...]:
-    """The plan of every layer of a ``fibjax.model.Transformer`` decoding up to ``max_len`` tokens."""
+def plan_layers(model: nnx.Module, max_len: int) -> tuple[LayerPlan, ...]:
+    """The plan of every layer of a ``fibjax.model.Transformer`` decoding up to ``max_len`` tokens.
+
+    Args:
+        model: The model.
+        max_len: The decode's capacity in tokens (>= 2).
+
+    Returns:
+        One [LayerPlan][fibjax.kinds.LayerPlan] per layer.
+
+    Raises:
+        ValueError: ``max_len < 2``.
+    """
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (a prompt token and a new one), got {max_len}")
     return tuple(kinds.kind_of(block.attn.cfg.attention).plan(block.attn, max_len) for block in model.blocks)
@@ -36,4 +52,12 @@ def init_cache(plans: tuple[LayerPlan, ...], batch: int, kv_heads: int, head_dim
 
 
 def cache_bytes(cache: Cache) -> int:
+    """The bytes a cache holds, every layer's arrays together.
+
+    Args:
+        cache: The cache.
+
+    Returns:
+        The bytes.
+    """
     return sum(x.nbytes for x in jax.tree.leaves(cache))

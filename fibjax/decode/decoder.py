@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike
 
 from fibjax.decode import cache as cache_lib
 from fibjax.decode.modes import PromptMode, TokenMode
@@ -31,9 +32,14 @@ Array = jax.Array
 
 
 class Decoder:
-    """Cached generation for one model (its parameters as they are now) up to ``max_len`` tokens."""
+    """Cached generation for one model (its parameters as they are now) up to ``max_len`` tokens.
 
-    def __init__(self, model, max_len: int):
+    Args:
+        model: The model (a [Transformer][fibjax.model.Transformer]).
+        max_len: The capacity in tokens, prompt included (>= 2).
+    """
+
+    def __init__(self, model: nnx.Module, max_len: int):
         self.cfg = model.cfg
         self.max_len = max_len
         self.plans = cache_lib.plan_layers(model, max_len)
@@ -68,8 +74,20 @@ class Decoder:
 
     # --- the public calls -----------------------------------------------------------------
 
-    def prefill(self, tokens_BP, *, sampler: Sampler = GREEDY, key: Array | None = None):
-        """Run the prompt [B, P]: (cache, logits [B, V] at position P-1, the token chosen for position P)."""
+    def prefill(self, tokens_BP: ArrayLike, *, sampler: Sampler = GREEDY, key: Array | None = None) -> tuple[cache_lib.Cache, Array, Array]:
+        """Run the prompt [B, P]: (cache, logits [B, V] at position P-1, the token chosen for position P).
+
+        Args:
+            tokens_BP: The prompt's token ids [B, P].
+            sampler: How to choose the next token.
+            key: The random key for sampling (default key 0).
+
+        Returns:
+            (cache, logits [B, V], next token [B]).
+
+        Raises:
+            ValueError: A prompt that is not [B, P >= 1] or longer than ``max_len``.
+        """
         tokens_BP = jnp.asarray(tokens_BP, jnp.int32)
         if tokens_BP.ndim != 2 or tokens_BP.shape[1] < 1:
             raise ValueError(f"the prompt must be [batch, length >= 1] token ids, got shape {tokens_BP.shape}")
@@ -77,19 +95,50 @@ class Decoder:
             raise ValueError(f"the prompt has {tokens_BP.shape[1]} tokens, more than this decoder's max_len {self.max_len}")
         return self._prefill(self.state, tokens_BP, _key(key), sampler=sampler)
 
-    def step(self, cache: cache_lib.Cache, tokens_B, pos: int, *, sampler: Sampler = GREEDY, key: Array | None = None):
+    def step(
+        self, cache: cache_lib.Cache, tokens_B: ArrayLike, pos: int, *, sampler: Sampler = GREEDY, key: Array | None = None
+    ) -> tuple[cache_lib.Cache, Array, Array]:
         """Feed the token at position ``pos``: (cache, logits [B, V] at pos, the token chosen for pos + 1).
 
         ``cache`` is donated: use the returned one. Positions past ``max_len - 1`` are refused.
+
+        Args:
+            cache: The cache before ``pos`` (donated).
+            tokens_B: The tokens at ``pos`` [B].
+            pos: Their position.
+            sampler: How to choose the next token.
+            key: The random key for sampling (default key 0).
+
+        Returns:
+            (cache, logits [B, V], next token [B]).
+
+        Raises:
+            ValueError: ``pos`` outside [0, max_len).
         """
         if not 0 <= pos < self.max_len:
             raise ValueError(f"position {pos} is outside this decoder's capacity [0, {self.max_len})")
         return self._step(self.state, cache, jnp.asarray(tokens_B, jnp.int32), jnp.int32(pos), _key(key), sampler=sampler)
 
-    def generate(self, prompt_BP, max_new_tokens: int, *, sampler: Sampler = GREEDY, seed: int = 0, stop_token: int | None = None) -> Iterator[np.ndarray]:
+    def generate(
+        self, prompt_BP: ArrayLike, max_new_tokens: int, *, sampler: Sampler = GREEDY, seed: int = 0, stop_token: int | None = None
+    ) -> Iterator[np.ndarray]:
         """Yield the new tokens [B] one position at a time, stopping early once every row has
         produced ``stop_token`` (which is yielded). The draw for position n uses
-        fold_in(key(seed), n), so a sequence does not depend on how it was produced."""
+        fold_in(key(seed), n), so a sequence does not depend on how it was produced.
+
+        Args:
+            prompt_BP: The prompt's token ids [B, P].
+            max_new_tokens: The most tokens to generate (>= 1).
+            sampler: How to choose each token.
+            seed: The sampling seed.
+            stop_token: Stop once every row has produced it (None: never).
+
+        Yields:
+            The new tokens [B], one position at a time.
+
+        Raises:
+            ValueError: ``max_new_tokens < 1`` or a prompt plus new tokens longer than ``max_len``.
+        """
         prompt_BP = np.asarray(prompt_BP)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -111,7 +160,14 @@ class Decoder:
             pos += 1
 
     def init_cache(self, batch: int = 1) -> cache_lib.Cache:
-        """An empty cache (e.g. to time steps at a given position without a prompt)."""
+        """An empty cache (e.g. to time steps at a given position without a prompt).
+
+        Args:
+            batch: The batch size.
+
+        Returns:
+            The cache.
+        """
         return cache_lib.init_cache(self.plans, batch, self.cfg.num_kv_heads, self.cfg.resolved_head_dim, self.cfg.dtype)
 
 

@@ -23,13 +23,29 @@ class SampleError(FibjaxError, ValueError):
 
 
 def top_k_mask(logits_BV: Array, k: int) -> Array:
-    """True for the ids whose logit is at least the k-th largest."""
+    """True for the ids whose logit is at least the k-th largest.
+
+    Args:
+        logits_BV: Logits [B, V].
+        k: How many ids to keep.
+
+    Returns:
+        The mask [B, V].
+    """
     kth_B1 = jax.lax.top_k(logits_BV, k)[0][..., -1:]
     return logits_BV >= kth_B1
 
 
 def top_p_mask(logits_BV: Array, p: float) -> Array:
-    """True for the smallest set of most likely ids whose probability sums to >= p (never empty)."""
+    """True for the smallest set of most likely ids whose probability sums to >= p (never empty).
+
+    Args:
+        logits_BV: Logits [B, V].
+        p: The probability to cover, in (0, 1].
+
+    Returns:
+        The mask [B, V].
+    """
     sorted_BV = jnp.sort(logits_BV, axis=-1)[..., ::-1]
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # mass of the strictly more likely ids
@@ -62,7 +78,14 @@ class Sampler:
         return self.temperature == 0
 
     def filtered_logits(self, logits_BV: Array) -> Array:
-        """float32 logits / temperature with every excluded id at -inf."""
+        """float32 logits / temperature with every excluded id at -inf.
+
+        Args:
+            logits_BV: Logits [B, V].
+
+        Returns:
+            The filtered logits [B, V] float32.
+        """
         x = logits_BV.astype(jnp.float32)
         if self.vocab_size is not None and self.vocab_size < x.shape[-1]:
             x = jnp.where(jnp.arange(x.shape[-1]) < self.vocab_size, x, -jnp.inf)

@@ -9,14 +9,23 @@ emits what the window gained, holding it back while it ends in an incomplete cha
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fibjax.data.tokenizer_base import Tokenizer
 
 _CONTEXT = 4  # tokens before the unprinted ones that every window re-decodes
 
 
 class TextStreamer:
-    """``push(token) -> new text`` after a prompt; ``finish()`` returns whatever is held back."""
+    """``push(token) -> new text`` after a prompt; ``finish()`` returns whatever is held back.
 
-    def __init__(self, tokenizer, prompt_ids: Sequence[int]):
+    Args:
+        tokenizer: The tokenizer whose ``decode`` gives the text.
+        prompt_ids: The prompt's ids (their text is not returned).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
         self._decode = tokenizer.decode
         self._ids = [int(i) for i in prompt_ids]
         self._read = len(self._ids)  # tokens whose text is already out
@@ -27,6 +36,14 @@ class TextStreamer:
         return self._decode(self._ids[self._start :])[len(printed) :]
 
     def push(self, token: int) -> str:
+        """The text ``token`` completes, or "" while it ends inside a multi-byte character.
+
+        Args:
+            token: The next token id.
+
+        Returns:
+            The new text.
+        """
         self._ids.append(int(token))
         text = self._gained()
         if not text or text.endswith("\ufffd"):
@@ -35,6 +52,11 @@ class TextStreamer:
         return text
 
     def finish(self) -> str:
+        """The text held back after the last token (an incomplete character's replacement).
+
+        Returns:
+            The remaining text.
+        """
         text = self._gained()
         self._start = self._read = len(self._ids)
         return text
