@@ -23,11 +23,13 @@ NUM_BINS = 8
 
 
 class EvalError(FibjaxError, ValueError):
-    pass
+    """An evaluation cannot run as asked (data too short for the lengths, a non-finite result, ...)."""
 
 
 @dataclass
 class LengthResult:
+    """Perplexity of one validation stream at one length (the report's per-length entry)."""
+
     length: int
     tokens: int  # scored tokens (equal at every length)
     nll: float  # mean negative log-likelihood, nats per token
@@ -35,6 +37,11 @@ class LengthResult:
     bin_nll: list[float]  # mean NLL in NUM_BINS equal bins of positions over the window
 
     def as_dict(self) -> dict:
+        """The result as a dict (the report's JSON).
+
+        Returns:
+            {field: value}.
+        """
         return asdict(self)
 
 
@@ -60,7 +67,23 @@ def evaluate_lengths(
 ) -> list[LengthResult]:
     """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory). With a
     ``mesh``, the windows of a batch are split over its data and fsdp axes (data parallel, the
-    parameters replicated), so a pod's checkpoint evaluates on the pod."""
+    parameters replicated), so a pod's checkpoint evaluates on the pod.
+
+    Args:
+        model_cfg: The model's config.
+        params: The model's parameters.
+        stream: The validation tokens (documents separated by EOS).
+        lengths: The evaluation lengths.
+        max_tokens: The most tokens scored at each length.
+        rows_tokens: The most tokens per forward.
+        mesh: A device mesh to split the windows over.
+
+    Returns:
+        One [LengthResult][fibjax.eval.LengthResult] per length.
+
+    Raises:
+        EvalError: A stream too short for one window at the lengths given.
+    """
     nll_fn = batching.on_model(model_cfg, batching.next_token_nll)
     n = scored_tokens(len(stream), lengths, max_tokens)
     params = batching.replicate(params, mesh)

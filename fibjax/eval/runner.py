@@ -73,7 +73,7 @@ def dataset_streams(run: run_load.LoadedRun, specs: dict[str, str] | None) -> di
     return streams
 
 
-def evaluate_run(
+def evaluate_run(  # noqa: DOC502
     run: run_load.LoadedRun,
     *,
     lengths: list[int],
@@ -82,6 +82,23 @@ def evaluate_run(
     attention: AttentionConfig | None = None,
     dropped_mass: bool = False,
 ) -> dict:
+    """Evaluate a loaded run: perplexity of each dataset at each length (and, with ``dropped_mass``,
+    each layer's dropped mass against dense attention and paper B's error law where it applies).
+
+    Args:
+        run: The loaded run.
+        lengths: The evaluation lengths.
+        datasets: {name: validation tokens}.
+        max_tokens: The most tokens scored at each length.
+        attention: Evaluate under this attention instead of the trained one.
+        dropped_mass: Also measure the dropped mass (and the error law).
+
+    Returns:
+        The report (``format_table`` prints it; ``write_report`` saves it).
+
+    Raises:
+        EvalError: A non-finite result.
+    """
     params, model_cfg = run_load.with_attention(run, attention) if attention else (run.params, run.cfg.model)
     alphas = alpha_lib.layer_alphas(params, model_cfg.attention, model_cfg.num_layers)
     frozen_params, frozen_cfg = frozen_alphas(params, model_cfg)
@@ -226,7 +243,7 @@ def rope_setting(model_cfg) -> dict:
     return {key: getattr(model_cfg, field) for key, field in ROPE_KEYS.items()}
 
 
-def evaluate_workdir(
+def evaluate_workdir(  # noqa: DOC502
     workdir: str | Path,
     *,
     step_number: int | None = None,
@@ -243,7 +260,25 @@ def evaluate_workdir(
 
     Defaults come from the run's own config: lengths = eval.length_multipliers x seq_len, the
     run's validation sources, eval.max_tokens. ``rope``: RoPE overrides (``with_rope``).
-    ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings)."""
+    ``tag`` names the report file ``eval/<step>-<tag>.json`` (default: made from the settings).
+
+    Args:
+        workdir: The run directory.
+        step_number: The checkpoint to evaluate (default: the latest).
+        lengths: The evaluation lengths.
+        specs: {name: data spec} of the validation data (default: the run's own).
+        max_tokens: The most tokens scored at each length.
+        attention_overrides: ``key=value`` overrides of the attention config.
+        dropped_mass: Also measure the dropped mass.
+        rope: RoPE overrides.
+        tag: The report file's tag.
+
+    Returns:
+        (report, its path).
+
+    Raises:
+        EvalError: Data too short for the lengths, a non-finite result, or no room for the report.
+    """
     run = run_load.load_run(workdir, step_number)
     if rope:
         run = with_rope(run, rope)
@@ -330,7 +365,20 @@ def check_writable(directory: Path, nbytes: int = 16 * 1024) -> None:
 def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
     """Write ``RUN/eval/<step>[-tag].json`` atomically (a temporary file, then os.replace).
 
-    Raises ReportNotWritten, carrying the report, when the directory is not writable."""
+    Raises ReportNotWritten, carrying the report, when the directory is not writable.
+
+    Args:
+        workdir: The run directory.
+        report: The report.
+        tag: The file name's tag ("" for none).
+
+    Returns:
+        The report's path.
+
+    Raises:
+        EvalError: The report holds a non-finite number.
+        ReportNotWritten: The directory is not writable.
+    """
     out = Path(workdir) / "eval" / f"{report['step']}{'-' + tag if tag else ''}.json"
     try:
         text = json.dumps(report, indent=2, allow_nan=False) + "\n"
@@ -353,6 +401,16 @@ def write_report(workdir: str | Path, report: dict, tag: str = "") -> Path:
 
 
 def format_table(report: dict) -> str:
+    """The report as text: a heading naming the run, a Markdown table of NLL and perplexity per
+    dataset and length (with the change against the first length), then the alphas, the new
+    distances, the dropped mass and the error law where the report has them.
+
+    Args:
+        report: A report of ``evaluate_run``.
+
+    Returns:
+        The table's text.
+    """
     where = f" ({report['workdir']})" if "workdir" in report else ""
     rope = report.get("rope", {})
     scaled = f"; RoPE {rope['scaling']} x{rope['factor']:g}, theta {rope['theta']:g}" if rope.get("scaling", "none") != "none" else ""

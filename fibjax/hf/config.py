@@ -180,7 +180,19 @@ def sliding_window(hf: dict, model_type: str) -> int | None:
 
 def model_config(hf: dict, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
     """The ModelConfig computing what ``hf`` (a parsed config.json) computes; UnsupportedModel
-    naming the first field that stands in the way."""
+    naming the first field that stands in the way.
+
+    Args:
+        hf: The parsed config.json.
+        dtype: The compute dtype.
+        param_dtype: The parameters' dtype.
+
+    Returns:
+        The ModelConfig.
+
+    Raises:
+        UnsupportedModel: A model type or field fibjax's layers cannot compute.
+    """
     model_type = hf.get("model_type")
     if model_type not in FAMILY:
         raise UnsupportedModel(f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(FAMILY)})")

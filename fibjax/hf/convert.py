@@ -69,7 +69,18 @@ def _check_empty(workdir: Path) -> None:
 def plan_import(model_dir: str | Path, *, dtype: str | None = None) -> tuple[dict, TrainConfig, dict, object]:
     """(Hugging Face config, the run's TrainConfig without its paths, the checked tensors, the
     tokenizer): every check of an import but the weights' values (``place`` refuses NaN and inf
-    as it reads them), reading headers, JSON and, for a tied model that stores its head, the two tables."""
+    as it reads them), reading headers, JSON and, for a tied model that stores its head, the two tables.
+
+    Args:
+        model_dir: The Hugging Face model directory.
+        dtype: The compute dtype (default: the stored one).
+
+    Returns:
+        (config, TrainConfig, tensors, tokenizer).
+
+    Raises:
+        UnsupportedModel: Not a directory, or a model, tensor or tokenizer the import refuses.
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise UnsupportedModel(f"{model_dir} is not a directory (a local Hugging Face model directory: config.json, *.safetensors, a tokenizer)")
@@ -135,14 +146,30 @@ def _signals_deferred():
             signal.raise_signal(caught[0])
 
 
-def import_model(model_dir: str | Path, workdir: str | Path, *, seq_len: int | None = None, dtype: str | None = None, mesh=None) -> TrainConfig:
+def import_model(  # noqa: DOC503
+    model_dir: str | Path, workdir: str | Path, *, seq_len: int | None = None, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None
+) -> TrainConfig:
     """Import the Hugging Face model in ``model_dir`` into the new run ``workdir``; returns its config.
 
     ``seq_len``: the run's training length, which sets the evaluation lengths (default: the
     source's ``max_position_embeddings``); ``dtype``: the compute dtype (default: the stored one).
     The run is written beside ``workdir`` under a temporary name and renamed into place when
     complete: an import that fails or is killed leaves no run (a killed one's temporary folder
-    is removed by the next import into the same ``workdir``)."""
+    is removed by the next import into the same ``workdir``).
+
+    Args:
+        model_dir: The Hugging Face model directory.
+        workdir: The new run directory.
+        seq_len: The run's training length.
+        dtype: The compute dtype.
+        mesh: The device mesh to place the weights on (default: one device).
+
+    Returns:
+        The run's config.
+
+    Raises:
+        UnsupportedModel: A model the import refuses (``plan_import``).
+    """
     from fibjax.run.checkpoints import Checkpointer
     from fibjax.run.workdir import CONFIG_FILE, TOKENIZER_PIN
     from fibjax.sharding import make_mesh
@@ -192,7 +219,21 @@ def export_model(workdir: str | Path, out_dir: str | Path, *, step: int | None =
     them with dense attention, which is not the function they were trained with; an import of
     the export reads ``fibjax_attention`` back. A run imported from Hugging Face, or continued
     from one with its tokenizer (``init_from``), gets the source's side files back as they came
-    (tokenizer_config.json with its chat template, generation_config.json, ...)."""
+    (tokenizer_config.json with its chat template, generation_config.json, ...).
+
+    Args:
+        workdir: The run directory.
+        out_dir: The new model directory (absent or empty).
+        step: The checkpoint to export (default: the latest).
+        model_type: The Hugging Face model type (default: the source's, else qwen2 or llama).
+        dtype: The stored dtype (default: the run's parameter dtype).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        UnsupportedModel: ``out_dir`` not empty, or an unsupported ``model_type``.
+    """
     from fibjax.run.load import load_run, run_tokenizer
 
     out_dir = Path(out_dir)
