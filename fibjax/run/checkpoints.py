@@ -26,7 +26,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from fibjax import distributed
-from fibjax.config import CheckpointConfig
+from fibjax.config import CheckpointConfig, ModelConfig
 from fibjax.data.token_files import free_space, human_bytes, write_json_atomically
 from fibjax.run import failures, integrity
 from fibjax.run.integrity import (
@@ -99,6 +99,12 @@ class DamagedCheckpoint(CheckpointError):
     """A step's files changed since they were saved, cannot be read, or hold non-finite numbers."""
 
     def __init__(self, message: str, step: int):
+        """The error, with the damaged ``step`` kept as ``.step``.
+
+        Args:
+            message: What is wrong, naming the step's files.
+            step: The damaged step.
+        """
         super().__init__(message)
         self.step = step
 
@@ -125,7 +131,9 @@ class _VerifiedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
 class Checkpointer:
     """Save / restore {state, data iterator} under ``<workdir>/checkpoints``."""
 
-    def __init__(self, workdir: Path, cfg: CheckpointConfig, *, save_in_flight_bytes: int | None = None, model=None, model_source: str = ""):
+    def __init__(
+        self, workdir: Path, cfg: CheckpointConfig, *, save_in_flight_bytes: int | None = None, model: ModelConfig | None = None, model_source: str = ""
+    ):
         """``save_in_flight_bytes``: the most bytes of the state a save copies to the host at once
         (more than its largest array; default: Orbax's 96 GB). Bounded, a save of a model that
         already fills host memory (an import on the CPU backend, where the device is the host)
@@ -133,7 +141,15 @@ class Checkpointer:
 
         ``model``: the ModelConfig in use (``model_source`` says where it comes from, for the
         messages), recorded with every save and compared with a step's record before it is
-        restored; default: the model of ``<workdir>/config.json`` (none if it has none)."""
+        restored; default: the model of ``<workdir>/config.json`` (none if it has none).
+
+        Args:
+            workdir: The run directory.
+            cfg: The checkpoint settings (``checkpoint.every_steps``, ``keep``, ...).
+            save_in_flight_bytes: The most bytes a save copies to the host at once.
+            model: The ModelConfig in use.
+            model_source: Where ``model`` comes from, for messages.
+        """
         self.directory = Path(workdir).resolve() / CHECKPOINTS_DIR
         self._origin = self  # whose steps the messages list (a held copy holds one step)
         if model is None and (Path(workdir) / CONFIG_FILE).is_file():
@@ -164,17 +180,43 @@ class Checkpointer:
             )
 
     def latest_step(self) -> int | None:
+        """The latest finished step (committed with its checksums), or None.
+
+        Returns:
+            The step, or None.
+        """
         steps = self.all_steps()
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """The finished steps: committed with their checksums."""
+        """The finished steps: committed with their checksums.
+
+        Returns:
+            The steps, ascending.
+        """
         return integrity.finished_steps(self.directory.parent)
 
     def unverified_steps(self) -> list[int]:
+        """The steps committed without their checksums (a save interrupted after Orbax finished).
+
+        Returns:
+            The steps, ascending.
+        """
         return integrity.unverified_steps(self.directory.parent)
 
-    def save(self, step: int, state, data_iterator=None, *, wait: bool = False) -> None:
+    def save(self, step: int, state: dict, data_iterator: grain.DatasetIterator | None = None, *, wait: bool = False) -> None:  # noqa: DOC503
+        """Save ``state`` (and the data iterator's position) as ``step``, asynchronously unless ``wait``;
+        the previous save is waited for and checked first, and room is made for this one.
+
+        Args:
+            step: The step number.
+            state: The train state (a pytree of arrays).
+            data_iterator: The Grain iterator to checkpoint with it.
+            wait: Wait for this save to finish and check it.
+
+        Raises:
+            CheckpointError: This save or the previous one failed.
+        """
         self.wait()  # the previous save first, so that its failure is reported as its own
         self._make_room(step)
         items = {"state": ocp.args.StandardSave(state)}
@@ -225,8 +267,12 @@ class Checkpointer:
         if self._unchecked is not None and not self.manager.is_saving_in_progress():
             self.wait()
 
-    def wait(self) -> None:
-        """Wait for the last save and check it, as ``poll``."""
+    def wait(self) -> None:  # noqa: DOC503
+        """Wait for the last save and check it, as ``poll``.
+
+        Raises:
+            CheckpointError: The save failed.
+        """
         step, self._unchecked = self._unchecked, None
         try:
             self.manager.wait_until_finished()
@@ -250,15 +296,32 @@ class Checkpointer:
         return CheckpointError(f"{failed} ({free_space(self.directory)} free there{size}). {kept} Free some space{keep} and run the same command to resume.")
 
     def last_saved_step(self) -> int | None:
-        """The latest step completely on disk, after the save in flight (if any) has finished."""
+        """The latest step completely on disk, after the save in flight (if any) has finished.
+
+        Returns:
+            The step, or None.
+        """
         self.wait()
         return self.latest_step()
 
-    def restore(self, step: int, abstract_state, data_iterator=None):
+    def restore(self, step: int, abstract_state: dict, data_iterator: grain.DatasetIterator | None = None) -> dict:  # noqa: DOC503
         """Restore ``step`` into arrays shaped and sharded like ``abstract_state``.
 
         Raises DamagedCheckpoint when its files changed since the save, cannot be read, or
-        hold non-finite numbers; nothing is deleted."""
+        hold non-finite numbers; nothing is deleted.
+
+        Args:
+            step: The step to restore.
+            abstract_state: The state's shapes and shardings (``Trainer.abstract_state``).
+            data_iterator: A Grain iterator to restore the position of, in place.
+
+        Returns:
+            The state.
+
+        Raises:
+            DamagedCheckpoint: The step's files changed, cannot be read, or are not finite.
+            CheckpointError: The step was saved with another model, or does not exist.
+        """
         self.check_files(step)
         self.check_model(step)
         renames = saved_renames(self.directory / str(step) / "state")
@@ -274,9 +337,21 @@ class Checkpointer:
         self._check_finite(step, restored["state"])
         return rename_keys(restored["state"], renames)
 
-    def restore_params(self, step: int, abstract_params):
+    def restore_params(self, step: int, abstract_params: dict) -> dict:  # noqa: DOC503
         """Only ``state["params"]`` of ``step`` (for evaluation and sampling: no optimizer moments,
-        a third of the memory of a full restore), shaped and sharded like ``abstract_params``."""
+        a third of the memory of a full restore), shaped and sharded like ``abstract_params``.
+
+        Args:
+            step: The step to restore.
+            abstract_params: The parameters' shapes and shardings.
+
+        Returns:
+            The parameters.
+
+        Raises:
+            DamagedCheckpoint: The step's files changed, cannot be read, or are not finite.
+            CheckpointError: The step was saved with another model, or does not exist.
+        """
         self.check_files(step)
         self.check_model(step)
         renames = saved_renames(self.directory / str(step) / "state")
@@ -292,8 +367,16 @@ class Checkpointer:
         self._check_finite(step, restored["state"]["params"])
         return rename_keys(restored["state"]["params"], renames)
 
-    def check_files(self, step: int) -> None:
-        """Raise DamagedCheckpoint unless ``step`` is finished and its files match their checksums."""
+    def check_files(self, step: int) -> None:  # noqa: DOC503
+        """Raise DamagedCheckpoint unless ``step`` is finished and its files match their checksums.
+
+        Args:
+            step: The step.
+
+        Raises:
+            DamagedCheckpoint: The step is unfinished or its files do not match their checksums.
+            CheckpointError: No checkpoint of that step.
+        """
         if step in self.unverified_steps():
             raise self._damaged(step, checksum_problem(self.directory / str(step)))
         if step not in self.all_steps():
@@ -305,7 +388,14 @@ class Checkpointer:
     def check_model(self, step: int) -> None:
         """Raise CheckpointError when ``step`` was saved with another model than the one in use
         (its record, ``integrity.MODEL_FILE``). A step saved before steps recorded their model
-        is restored with one warning: only its parameters' names and shapes are checked."""
+        is restored with one warning: only its parameters' names and shapes are checked.
+
+        Args:
+            step: The step.
+
+        Raises:
+            CheckpointError: The step was saved with another model.
+        """
         if self._model is None:
             return
         saved = saved_model(self.directory / str(step))
@@ -363,13 +453,24 @@ class Checkpointer:
         return DamagedCheckpoint(f"checkpoint step {step} in {self.directory} is damaged: {why}. Nothing was deleted; other steps: {others}.", step)
 
     @contextlib.contextmanager
-    def held(self, step: int) -> Iterator[Checkpointer]:
+    def held(self, step: int) -> Iterator[Checkpointer]:  # noqa: DOC503
         """A Checkpointer that reads ``step`` from hard links to its files, so that a run training in
         the same workdir cannot take the step away while it is read (``checkpoint.keep`` deletes
         names; the bytes stay until their last link goes). Where links cannot be made (another
         filesystem, a read-only workdir, the step being deleted already) it is this one, and in
         a multi-process job too (a CheckpointManager there synchronises its processes over one
-        directory, not one each). Its errors name the step where it is, not the links."""
+        directory, not one each). Its errors name the step where it is, not the links.
+
+        Args:
+            step: The step to read.
+
+        Yields:
+            The Checkpointer to read it with.
+
+        Raises:
+            DamagedCheckpoint: The step is damaged (named by its step).
+            CheckpointError: Reading it failed otherwise.
+        """
         root = self.directory.parent / HELD_DIR / f"{socket.gethostname()}-{os.getpid()}"
         if jax.process_count() > 1:
             yield self
@@ -396,14 +497,28 @@ class Checkpointer:
                 root.parent.rmdir()  # unless another reader holds a step too
 
     def latest_intact_step(self, before: int) -> int | None:
-        """The latest finished step before ``before`` whose files match their checksums (None if none)."""
+        """The latest finished step before ``before`` whose files match their checksums (None if none).
+
+        Args:
+            before: Only steps before this one.
+
+        Returns:
+            The step, or None.
+        """
         return next((s for s in reversed(self.all_steps()) if s < before and not checksum_problem(self.directory / str(s))), None)
 
     def set_aside_after(self, step: int) -> list[int]:
         """Move the committed steps after ``step`` (finished or not) to
         ``<workdir>/checkpoints.set_aside/`` (kept, not deleted), so that training continues from
         ``step`` and later saves never meet them. One process moves them; every process then
-        calls ``reload``."""
+        calls ``reload``.
+
+        Args:
+            step: The step training continues from.
+
+        Returns:
+            The steps moved.
+        """
         later = [s for s in numbered_steps(self.directory) if s > step]
         if later:
             self.set_aside_directory.mkdir(exist_ok=True)

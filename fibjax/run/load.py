@@ -32,6 +32,8 @@ DELETED_RETRIES = 3
 
 @dataclass
 class LoadedRun:
+    """A run's config and one checkpoint's parameters ([load_run][fibjax.run.load_run])."""
+
     cfg: TrainConfig
     step: int
     params: dict
@@ -40,8 +42,19 @@ class LoadedRun:
     workdir: Path
 
 
-def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:
-    """The run's config and the parameters of ``step_number`` (default: the latest checkpoint)."""
+def load_run(workdir: str | Path, step_number: int | None = None) -> LoadedRun:  # noqa: DOC503
+    """The run's config and the parameters of ``step_number`` (default: the latest checkpoint).
+
+    Args:
+        workdir: The run directory.
+        step_number: The checkpoint (default: the latest).
+
+    Returns:
+        The loaded run.
+
+    Raises:
+        CheckpointError: Not a run, no finished checkpoint, or a damaged one.
+    """
     workdir = Path(workdir)
     cfg = load_run_config(workdir)
     if not finished_steps(workdir):  # checked before the Checkpointer, which would create checkpoints/

@@ -42,7 +42,11 @@ def _pid_alive(pid: int) -> bool:
 
 class WorkdirLock:
     """``acquire()`` or raise WorkdirInUse; ``release()`` removes the file, and the workdir (and
-    parents) it created if they are still empty, so a refused start leaves nothing behind."""
+    parents) it created if they are still empty, so a refused start leaves nothing behind.
+
+    Args:
+        workdir: The run directory (created if missing).
+    """
 
     def __init__(self, workdir: str | Path):
         self.workdir = Path(workdir).absolute()
@@ -50,7 +54,13 @@ class WorkdirLock:
         self._fd: int | None = None
         self._created: list[Path] = []
 
-    def acquire(self) -> None:
+    def acquire(self) -> None:  # noqa: DOC502
+        """Take the workdir's lock (an ``flock`` on its lock file, or the file alone where the filesystem
+        has no locks), creating the workdir if needed.
+
+        Raises:
+            WorkdirInUse: Another run holds it (named by pid, host and start time).
+        """
         self._created = [p for p in [self.workdir, *self.workdir.parents] if not p.exists()]
         while self._fd is None:
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +121,7 @@ class WorkdirLock:
         raise WorkdirInUse(f"workdir {self.workdir} is in use by another run ({who}): wait for it to end or stop it, or use another --workdir{hint}")
 
     def release(self) -> None:
+        """Remove the lock file and release it, and the directories ``acquire`` created if still empty."""
         if self._fd is None:
             return
         self.path.unlink(missing_ok=True)  # while still held: a waiting start then finds no file, or its own

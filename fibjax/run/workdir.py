@@ -135,6 +135,17 @@ def claim_workdir(workdir: Path, cfg: TrainConfig) -> TrainConfig | None:
 
 
 def load_run_config(workdir: Path) -> TrainConfig:
+    """The run's config, from ``<workdir>/config.json``.
+
+    Args:
+        workdir: The run directory.
+
+    Returns:
+        The config.
+
+    Raises:
+        CheckpointError: ``workdir`` holds no ``config.json``.
+    """
     path = Path(workdir) / CONFIG_FILE
     if not path.exists():
         raise CheckpointError(f"{workdir} holds no fibjax run ({CONFIG_FILE} missing)")

@@ -67,11 +67,17 @@ _BATCH_LOG_ENV = "FIBJAX_LOG_BATCHES"
 
 
 class NonFiniteLoss(FibjaxError, RuntimeError):
+    """The training loss became NaN or infinite (the message names the step); the run stops there."""
+
     pass
 
 
 @dataclass
 class RunResult:
+    """What [train][fibjax.train.train] did: the last step reached, whether it was stopped by a signal, the
+    data used, and the losses it logged.
+    """
+
     final_step: int
     preempted: bool
     data_dir: Path
@@ -268,13 +274,31 @@ def _close_all(closers, *, failing: bool) -> None:
         raise first
 
 
-def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None, preemption: Preemption | None = None) -> RunResult:
+def train(cfg: TrainConfig, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None, preemption: Preemption | None = None) -> RunResult:  # noqa: DOC502
     """Train ``cfg`` in ``workdir``, from its latest checkpoint (or ``resume_step``) to ``cfg.steps``.
 
     One run per workdir: process 0 holds its lock (fibjax/run/lock.py) from before the first
     check to the end, so a second start is refused at once, naming the holder. ``preemption``:
     a handler its caller installed already (``launch.train``, before its imports); default:
-    one installed for the call."""
+    one installed for the call.
+
+    Args:
+        cfg: The config.
+        workdir: The run directory.
+        progress: Show a progress bar.
+        resume_step: The checkpoint to continue from (default: the latest).
+        preemption: A stop handler already installed.
+
+    Returns:
+        What was done.
+
+    Raises:
+        ConfigError: A config the data or the devices do not fit.
+        DataError: Missing or damaged data.
+        WorkdirInUse: Another run holds the workdir.
+        CheckpointError: A checkpoint cannot be saved or restored.
+        NonFiniteLoss: The loss became NaN or infinite.
+    """
     distributed.initialize()
     workdir = Path(workdir)
     check_is_directory(workdir)

@@ -68,6 +68,16 @@ class Trainer:
 
 
 def build(cfg: TrainConfig, mesh: Mesh) -> Trainer:
+    """The [Trainer][fibjax.train.Trainer] of ``cfg`` on ``mesh``: the jitted init and step built from
+    the abstract model (nothing is allocated until ``init`` runs), the state sharded from the start.
+
+    Args:
+        cfg: The config.
+        mesh: The device mesh.
+
+    Returns:
+        The Trainer.
+    """
     abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.seed)))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
     param_shardings = sharding.param_shardings(abstract_params, mesh)
