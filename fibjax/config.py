@@ -694,7 +694,7 @@ def _config_exists(path: Path) -> bool:
     return True
 
 
-def load_config_file(path: str | Path) -> typing.Any:
+def load_config_file(path: str | Path) -> typing.Any:  # noqa: DOC503
     """Import a Python config file and return its ``get_config()``: a config dataclass; or read
     a run's ``config.json`` (a TrainConfig), e.g. to continue an imported model with ``init_from``.
 

@@ -94,7 +94,7 @@ def _no_empty_directory_left(prepare_fn):
 
 @_no_empty_directory_left
 @_full_disk_is_a_data_error
-def prepare(
+def prepare(  # noqa: DOC503
     out_dir: str | os.PathLike,
     sources: dict[str, str],
     val: dict[str, str] | None = None,
@@ -115,7 +115,30 @@ def prepare(
     validation-only source (e.g. an extra in-domain evaluation set). ``tokenizer`` (anything
     [load_tokenizer][fibjax.data.load_tokenizer] takes: a ``.model``, a ``tokenizer.json``, a Hugging Face model
     directory) is used instead of training one of ``vocab_size`` pieces. ``redo`` says how to prepare
-    damaged data again where ``--overwrite`` is not the caller's flag. Returns the meta dict."""
+    damaged data again where ``--overwrite`` is not the caller's flag.
+
+    Args:
+        out_dir: The data directory.
+        sources: {name: spec} of the training sources.
+        val: {name: spec} of validation data.
+        vocab_size: The trained tokenizer's pieces (default 32768; must match a given tokenizer).
+        tokenizer: A tokenizer to use instead of training one.
+        max_tokens: Stop a split once it holds at least this many tokens.
+        max_docs: The most documents read from each input stream.
+        val_fraction: The share of each training source held out for validation when ``val`` gives
+            it none.
+        tokenizer_chars: The characters of training text a tokenizer learns from.
+        overwrite: Replace data prepared from other inputs or options, or damaged data.
+        progress: Show progress bars.
+        redo: The command to prepare damaged data again, for messages.
+
+    Returns:
+        The data's ``meta.json`` contents.
+
+    Raises:
+        DataError: Bad arguments, data in ``out_dir`` from other inputs (without ``overwrite``), or
+            an input that cannot be read.
+    """
     out_dir, val = Path(out_dir), dict(val or {})
     _check_arguments(sources, val, vocab_size, tokenizer, max_tokens, max_docs, val_fraction)
     given = load_tokenizer(tokenizer) if tokenizer else None

@@ -99,7 +99,15 @@ class Sampler:
         return x
 
     def __call__(self, logits_BV: Array, key: Array) -> Array:
-        """Token ids [B] int32; ``key`` is ignored when greedy."""
+        """Token ids [B] int32; ``key`` is ignored when greedy.
+
+        Args:
+            logits_BV: Logits [B, V].
+            key: The random key.
+
+        Returns:
+            The chosen ids [B] int32.
+        """
         x = self.filtered_logits(logits_BV)
         if self.greedy:
             return jnp.argmax(x, axis=-1).astype(jnp.int32)

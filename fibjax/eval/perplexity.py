@@ -62,8 +62,8 @@ def windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
     return x[starts + np.arange(length + 1)[None, :]]
 
 
-def evaluate_lengths(
-    model_cfg: ModelConfig, params, stream: np.ndarray, lengths: list[int], *, max_tokens: int, rows_tokens: int, mesh: jax.sharding.Mesh | None = None
+def evaluate_lengths(  # noqa: DOC502
+    model_cfg: ModelConfig, params: dict, stream: np.ndarray, lengths: list[int], *, max_tokens: int, rows_tokens: int, mesh: jax.sharding.Mesh | None = None
 ) -> list[LengthResult]:
     """Perplexity at each length; ``rows_tokens`` bounds tokens per forward (memory). With a
     ``mesh``, the windows of a batch are split over its data and fsdp axes (data parallel, the

@@ -48,6 +48,12 @@ class ReportNotWritten(EvalError):
     (print them before the error)."""
 
     def __init__(self, message: str, report: dict):
+        """The error, with the results kept as ``.report``.
+
+        Args:
+            message: Why the report could not be written.
+            report: The evaluation's report.
+        """
         super().__init__(message)
         self.report = report
 

@@ -54,7 +54,7 @@ class WorkdirLock:
         self._fd: int | None = None
         self._created: list[Path] = []
 
-    def acquire(self) -> None:  # noqa: DOC502
+    def acquire(self) -> None:  # noqa: DOC503
         """Take the workdir's lock (an ``flock`` on its lock file, or the file alone where the filesystem
         has no locks), creating the workdir if needed.
 
