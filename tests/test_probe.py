@@ -274,3 +274,16 @@ def test_the_column_note_names_the_columns_the_table_has():
     assert "band" not in report._columns_note([13], {13, 21})
     assert report._reach_text(40, 8, 32) == "distance 40 is past the sequence (T - 1 = 31)."
     assert report._reach_text(15, 8, 32).startswith("distance 15 is put on a rung by f = 13")
+
+
+def test_the_equal_cost_window_has_fib_fixed_s_keys_and_attends_a_band():
+    """window_equal: as many keys per query as fib_fixed at the probe's (W, T), the last ones."""
+    from fibjax.kinds import registry
+    from fibjax.probe.cell import CellSpec
+
+    for seq_len, window in ((64, 8), (128, 8), (64, 4)):
+        fixed = CellSpec("band", "retrieval", "fib_fixed", 2, bands=((40, 44),), seq_len=seq_len, window=window).attention()
+        equal = CellSpec("band", "retrieval", "window_equal", 2, bands=((40, 44),), seq_len=seq_len, window=window).attention()
+        keys = len(registry.kind_of(fixed).attended(fixed, 1.0, seq_len))
+        assert equal.kind == "window" and registry.kind_of(equal).attended(equal, None, seq_len) == tuple(range(keys))
+    assert CellSpec("band", "retrieval", "window_equal", 2, bands=((40, 44),), seq_len=64).attention().window == 13  # {0..8}, 13, 21, 34, 55

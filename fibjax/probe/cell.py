@@ -20,6 +20,7 @@ from flax import nnx
 
 from fibjax import sharding
 from fibjax.attention import alpha as alpha_lib
+from fibjax.attention.offsets import attended_distances
 from fibjax.config import AttentionConfig, MeshConfig, ModelConfig, OptimConfig, TrainConfig
 from fibjax.probe import geometry, soft_width
 from fibjax.probe.tasks import (
@@ -43,7 +44,12 @@ CONDITIONS: dict[str, dict] = {
     "fib_stagger": {"kind": "offset", "alpha": "staggered"},
     "fib_learned": {"kind": "offset", "alpha": "learned"},
     "fib_learned_stagger": {"kind": "offset", "alpha": "staggered", "learn_alpha": True},
+    # a sliding window with as many keys as fib_fixed attends at the probe's length (issue 51: what
+    # do the rungs retrieve that a window of equal cost cannot?)
+    "window_equal": {"kind": "window"},
 }
+# conditions whose window is the key count of fib_fixed at (window, seq_len), not the probe's window
+EQUAL_COST = ("window_equal",)
 TASKS = ("retrieval", "marked")
 _EVAL_STREAM = 1_000_003  # the evaluation's generators never meet a training step's
 
@@ -118,7 +124,10 @@ class CellSpec:
         return list(self.eval_distances) or list(range(1, max_retrieval_distance(self.seq_len) + 1))
 
     def attention(self) -> AttentionConfig:
-        return AttentionConfig(window=self.window, **CONDITIONS[self.condition])
+        window = self.window
+        if self.condition in EQUAL_COST:  # fib_fixed's keys per query: the window {0..W} and the rungs below T
+            window = len(attended_distances(window=self.window, base="fibonacci", alpha=1.0, seq_len=self.seq_len))
+        return AttentionConfig(window=window, **CONDITIONS[self.condition])
 
     def train_config(self) -> TrainConfig:
         model = ModelConfig(
