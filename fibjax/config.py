@@ -1,6 +1,6 @@
 """Typed, validated configuration: frozen dataclasses, ``key=value`` overrides, JSON I/O.
 
-Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError` naming
+Every dataclass validates itself in ``__post_init__`` and raises [ConfigError][fibjax.config.ConfigError] naming
 the field; overrides name the full dotted path. Config files under ``configs/`` are Python
 modules with ``get_config() -> Config``.
 """

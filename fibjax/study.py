@@ -546,7 +546,7 @@ def _plain_evals(study: Study, run: StudyRun, steps: int, run_dir: Path | None =
 
 def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatus], dirs: dict[str, Path] | None = None) -> dict:
     """nll[model][seed][dataset][length] of every finished run that differs from its model's
-    other runs only by seed (:meth:`Study.model_and_seed`)."""
+    other runs only by seed (``Study.model_and_seed``)."""
     nlls: dict = {}
     for run in runs:
         key = study.model_and_seed(run)

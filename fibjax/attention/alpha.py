@@ -4,7 +4,7 @@ every layer's value as a model holds it. Pure Python (JAX only for a traced logi
 A learned layer holds ``alpha_logit`` with alpha = 0.5 + sigmoid(alpha_logit), so alpha always
 lies inside (0.5, 1.5); the logit of a starting alpha is taken after pulling it 0.05 inside that
 span (sigmoid never reaches 0 or 1), so a learned run's true starting alphas are
-:func:`initial_alphas`, not the schedule's.
+``initial_alphas``, not the schedule's.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def logit_to_alpha(logit: float | jax.Array) -> float | jax.Array:
 
 def initial_alphas(acfg, num_layers: int) -> list[float] | None:
     """A learned model's starting alphas as it really starts them (the schedule pulled into
-    [0.55, 1.45] by :func:`alpha_to_logit`); None for a model without learned alpha."""
+    [0.55, 1.45] by [alpha_to_logit][fibjax.attention.alpha_to_logit]); None for a model without learned alpha."""
     if not acfg.is_learned:
         return None
     return [logit_to_alpha(alpha_to_logit(a)) for a in acfg.layer_alphas(num_layers)]

@@ -259,7 +259,7 @@ def select_blocks(  # noqa: DOC502
 
     Slot 0 is the query's own block; then the chosen earlier blocks, best score first (equal
     scores: lower block first); -1 fills slots a query cannot use (fewer earlier blocks than S-1).
-    The same choice :func:`block_sparse_attention` makes; ``rank_keys`` [B, T // B, K, D] stand
+    The same choice [block_sparse_attention][fibjax.attention.block_sparse_attention] makes; ``rank_keys`` [B, T // B, K, D] stand
     for the blocks instead of their means (NSA's compressed keys).
 
     Args:

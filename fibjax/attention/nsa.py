@@ -6,7 +6,7 @@ gates g [B,T,H,3] in [0, 1] (sigmoids the model computes from the layer input):
     o_i = g_cmp o_cmp + g_slc o_slc + g_win o_win
 
 * compressed: softmax over the compressed blocks k_cmp[n], v_cmp[n] (one key and value per block
-  of B = ``block_size`` keys, from :func:`compress_blocks`) that lie wholly in the query's past,
+  of B = ``block_size`` keys, from [compress_blocks][fibjax.attention.compress_blocks]) that lie wholly in the query's past,
   (n + 1) B - 1 <= i; a query before the end of block 0 sees none and o_cmp = 0;
 * selected: its own block (causally) and the S-1 earlier blocks (S = ``num_blocks``) with the
   largest sum over the G query heads of its KV group of that head's compressed-branch softmax
@@ -159,7 +159,7 @@ def _compressed_and_choice(q: Array, k_cmp: Array, v_cmp: Array, *, block: int, 
 @functools.partial(jax.jit, static_argnames=("block_size", "return_lse", "query_chunk"))
 def compressed_attention_xla(q: Array, k_cmp: Array, v_cmp: Array, *, block_size: int, return_lse: bool = False, query_chunk: int = QUERY_CHUNK):
     """NSA's compressed branch alone: [B,T,H,D] in q's dtype (and lse [B,T,H] float32), the
-    same program as in :func:`nsa_attention` without the selection."""
+    same program as in [nsa_attention][fibjax.attention.nsa_attention] without the selection."""
     o_BTHD, lse_BTH, _ = _compressed_and_choice(q, k_cmp, v_cmp, block=block_size, top=0, query_chunk=query_chunk)
     o_BTHD = o_BTHD.astype(q.dtype)
     return (o_BTHD, lse_BTH) if return_lse else o_BTHD
@@ -267,7 +267,7 @@ def nsa_attention_xla(
     query_chunk: int = QUERY_CHUNK,
     window_chunk: int = WINDOW_CHUNK,
 ):
-    """The XLA program behind :func:`nsa_attention` (no argument checks): three branches, each in
+    """The XLA program behind [nsa_attention][fibjax.attention.nsa_attention] (no argument checks): three branches, each in
     q's dtype, mixed in float32. ``query_chunk``: queries per step of the compressed branch and
     the choice (one softmax serves both); ``window_chunk``: of the window band."""
     top = block_sparse.num_earlier_blocks(q.shape[1], block_size, num_blocks)

@@ -40,7 +40,7 @@ def _rows_down(x_BTKD: Array, d) -> Array:
 
 
 def _rows_up(g_BTKD: Array, d) -> Array:
-    """The transpose of :func:`_rows_down`: g[:, j + d] where j + d < T, zeros below."""
+    """The transpose of ``_rows_down``: g[:, j + d] where j + d < T, zeros below."""
     t = g_BTKD.shape[1]
     i_T = jnp.arange(t)
     rows = jnp.take(g_BTKD, jnp.minimum(i_T + d, t - 1), axis=1, mode="clip")
@@ -54,7 +54,7 @@ def _shift(x_BTKD: Array, d) -> Array:
     backward: on CPU both beat a pad and a slice, whose transpose was much of the static path's
     backward (BUILD_NOTES.md, "Offsets in XLA (static)", "Static shifts by a row gather"). d is an operand of the custom VJP (an int32
     inside it), so the gathers read computed indices; that is the program that was measured.
-    Reverse mode only (no jvp). A traced shift keeps :func:`_shift_dynamic` (gathers cost it
+    Reverse mode only (no jvp). A traced shift keeps ``_shift_dynamic`` (gathers cost it
     memory)."""
     return _rows_down(x_BTKD, d)
 
@@ -314,7 +314,7 @@ def interpolated_attention_xla(q: Array, k: Array, v: Array, *, window: int, bas
 
 
 def frozen_rungs(alpha: float, base, *, window: int, seq_len: int, dtype=jnp.float32) -> tuple[tuple[int, float], ...]:
-    """(lo, frac) of every active rung for a known alpha, computed by :func:`traced_rung_taps` itself
+    """(lo, frac) of every active rung for a known alpha, computed by ``traced_rung_taps`` itself
     (in ``dtype``, the same skip rules) so the frozen path attends exactly what the traced one does."""
     bases = offsets.rung_slots(window=window, base=base, seq_len=seq_len)
     if not bases:

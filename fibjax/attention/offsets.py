@@ -8,7 +8,7 @@ reference code (see BUILD_NOTES.md, "Semantics"):
 * a static rung lands at ``round(alpha * f)`` (Python ``round``: half to even) and is kept
   only if ``W < d <= T - 1``;
 * the learned (interpolated) path keeps a fixed number of rung *slots* so that alpha can be
-  a traced value; :func:`rung_slots` says which rungs can ever be active.
+  a traced value; [rung_slots][fibjax.attention.rung_slots] says which rungs can ever be active.
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def cotangents(env: dict) -> dict:
 
 def walk(stages: list[Stage], env: dict, timed: dict[str, Timer] | None = None) -> dict:
     """Run ``stages`` in order, each jitted alone, adding their outputs to ``env``; with ``timed``,
-    each stage's program is a :class:`Timer` put there under its phase."""
+    each stage's program is a ``Timer`` put there under its phase."""
     for s in stages:
         args = [env[r] for r in s.reads]
         if timed is None:

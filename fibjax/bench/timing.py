@@ -27,7 +27,7 @@ def ratio(num: Measurement, den: Measurement) -> float:
 
 
 class CallTimer:
-    """A blocking ``call`` (returns once its work is done) warmed up once; each :meth:`times` call
+    """A blocking ``call`` (returns once its work is done) warmed up once; each ``times`` call
     runs it ``repeats`` times. Several timers interleaved round by round see the same load, so
     their ratios stay fair on a shared machine. ``peak_mb``: nan unless a subclass measures it."""
 
@@ -51,7 +51,7 @@ class CallTimer:
 
 class Timer(CallTimer):
     """``fn`` (jitted) compiled once, its peak memory read from XLA's buffer assignment, and timed
-    as a :class:`CallTimer` until its outputs are ready; ``compiled`` is the program itself."""
+    as a ``CallTimer`` until its outputs are ready; ``compiled`` is the program itself."""
 
     def __init__(self, fn: Callable, *args):
         self.compiled = compiled = jax.jit(fn).lower(*args).compile()

@@ -1,9 +1,9 @@
-"""Hugging Face ``config.json`` of the Llama family <-> fibjax's :class:`ModelConfig`.
+"""Hugging Face ``config.json`` of the Llama family <-> fibjax's [ModelConfig][fibjax.config.ModelConfig].
 
 Only JSON is read: nothing from a model directory is ever imported or executed. Every field that
 changes the function is mapped (sizes, GQA, head dim, RoPE theta and scaling, norm epsilon, q/k/v
 biases, tied embeddings), and the attention a fibjax export recorded (``fibjax_attention``); a
-field fibjax cannot represent exactly is refused by name (:class:`UnsupportedModel`), before
+field fibjax cannot represent exactly is refused by name ([UnsupportedModel][fibjax.hf.UnsupportedModel]), before
 anything is written, and so is a field the import reads that is missing or of the wrong type
 (``FIELDS``). Both layouts of RoPE are read: ``rope_theta`` + ``rope_scaling`` (transformers 4)
 and ``rope_parameters`` (transformers 5), ``rope_type: default`` meaning no scaling in both.

@@ -11,7 +11,7 @@ init_from=RUN`` to continue it with another attention)::
     RUN/hf_source.json     where it came from and the config.json fields export writes back
 
 Everything is checked before anything is written (config, every tensor's shape and dtype, every
-shard's length, the tokenizer, an empty workdir); a failure is one :class:`UnsupportedModel`.
+shard's length, the tokenizer, an empty workdir); a failure is one [UnsupportedModel][fibjax.hf.UnsupportedModel].
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Moved to :mod:`fibjax.run` (``checkpoints``, ``integrity``, ``failures``, ``workdir``); this
+"""Moved to [fibjax.run][fibjax.run] (``checkpoints``, ``integrity``, ``failures``, ``workdir``); this
 path still works, with a DeprecationWarning on use naming each name's new module."""
 
 from fibjax._moved import forward_to

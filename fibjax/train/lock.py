@@ -1,4 +1,4 @@
-"""Moved to :mod:`fibjax.run.lock`; this path still works, with a DeprecationWarning on use."""
+"""Moved to ``fibjax.run.lock``; this path still works, with a DeprecationWarning on use."""
 
 from fibjax._moved import forward_to
 

@@ -299,7 +299,7 @@ def block_sparse_attention_pallas(
     backend: str | None = None,
     options: BlockKernelOptions | None = None,
 ):
-    """:func:`fibjax.attention.block_sparse_attention` (no argument checks) on the Pallas tile
+    """[fibjax.attention.block_sparse_attention][fibjax.attention.block_sparse_attention] (no argument checks) on the Pallas tile
     kernels; ``block_sizes.block_q`` query rows per tile (R; ``block_k`` is unused here);
     ``options``: how the kernels do it (``block_kernels.VARIANTS``; default: the plain kernels)."""
     t = q.shape[1]
