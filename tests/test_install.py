@@ -61,7 +61,7 @@ def test_draw_attention_defaults_need_no_repository_files(tmp_path, monkeypatch,
 
 # what the tests read outside the packages: pages, notes, results, the citation and the site config
 SDIST_NEEDS = ["docs/index.md", "docs/reference/api.md", "CHANGELOG.md", "CITATION.cff", "mkdocs.yml", "BUILD_NOTES.md", "LICENSE", "README.md"]
-SDIST_NEEDS += ["tests/conftest.py", "tests/test_doc_pages.py", "results/study/alpha.csv", "results/study/report.md", ".ci/run"]
+SDIST_NEEDS += ["tests/conftest.py", "tests/test_doc_pages.py", "results/study/alpha.csv", "results/study/report.md", ".ci/run", ".pydoclint-baseline.txt"]
 
 
 @slow
