@@ -201,6 +201,9 @@ def verify_data(workdir: Path, data_dir: Path, meta: dict) -> dict:
     total = sum((Path(data_dir) / f).stat().st_size for f in files)
     trusted = before if total > HASH_EVERY_START_BYTES else {}
     record = verify_checksums(data_dir, meta, trusted)
+    sha256 = meta.get("tokenizer", {}).get("sha256")
+    if sha256:  # another tokenizer is the more telling error than the token files it changed
+        check_tokenizer_pin(workdir, sha256)
     check_same_data(workdir, data_dir, before, record)
     if trusted and distributed.is_main() and f"trusted:{data_dir}" not in _WARNED:
         _WARNED.add(f"trusted:{data_dir}")
