@@ -181,6 +181,8 @@ def test_a_distance_grid_leaves_out_what_does_not_fit_and_the_oracle_reads_every
     assert again["cells"][0]["keys"] == keys[(257, 150)]
     with pytest.raises(EvalError, match="no distance of"):
         passkey.passkey_grid(None, None, tok, [100], [], trials=1, distances=[500], predict_fn=retrieval_oracle(tok))
+    with pytest.raises(EvalError, match="too short"):  # a length too short for the needle is an error, not an empty cell
+        passkey.passkey_grid(None, None, tok, [20, 257], [], trials=1, distances=[10], predict_fn=retrieval_oracle(tok))
 
 
 def test_training_documents_hold_one_needle_and_end_on_its_key(tmp_path):

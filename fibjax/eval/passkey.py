@@ -59,6 +59,10 @@ class Prompt:
         return self.haystack - self.needle_start
 
 
+class DistanceDoesNotFit(EvalError):
+    """A needle distance longer than a prompt's filler: a grid leaves that cell empty."""
+
+
 # A trial's random draws are keyed by where its needle goes: a depth in [0, 1] (scaled by 1e6) or
 # a distance in tokens (offset so that the two never share a key).
 DISTANCE_KEY = 10_000_000
@@ -90,7 +94,24 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0,
     the needle goes in at the sentence start nearest to ``depth`` x filler tokens (0: the first
     whole sentence, 1: right before the question; equally near: the earlier one), or, with
     ``distance``, nearest to ``distance`` filler tokens before the question (``depth`` ignored;
-    sentences are a few tokens long, so the distance is met to within one sentence)."""
+    sentences are a few tokens long, so the distance is met to within one sentence).
+
+    Args:
+        tokenizer: Encodes the filler, needle, question and answer.
+        length: The prompt's tokens (the model's input).
+        depth: Where the needle goes, 0 (start) to 1 (before the question); ignored with ``distance``.
+        key: The pass key, five digits.
+        phase: Which filler sentence comes last.
+        distance: Filler tokens between the needle and the question (None: place by ``depth``).
+
+    Returns:
+        The prompt, its answer's position and where the needle sits.
+
+    Raises:
+        DistanceDoesNotFit: ``distance`` is longer than the prompt's filler.
+        EvalError: ``depth`` outside [0, 1], a negative ``distance``, or a ``length`` too short
+            for the needle, question and answer.
+    """
     if distance is None and not 0.0 <= depth <= 1.0:
         raise EvalError(f"depth must lie in [0, 1], got {depth}")
     if distance is not None and distance < 0:
@@ -102,7 +123,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str, phase: int = 0,
     if haystack < 0:
         raise EvalError(f"length {length} is too short: the needle, question and answer alone take {length - haystack} tokens")
     if distance is not None and distance > haystack:
-        raise EvalError(f"distance {distance} does not fit in a prompt of {length} tokens: it holds {haystack} filler tokens; pass a longer --lengths")
+        raise DistanceDoesNotFit(f"distance {distance} does not fit in a prompt of {length} tokens: it holds {haystack} filler tokens; pass a longer --lengths")
     units = [tokenizer.encode(s) for s in FILLER]
     stream, starts = [], []
     while len(stream) < haystack:  # backwards from the question, one whole sentence at a time
@@ -175,9 +196,7 @@ def passkey_grid(
                 prompts = [
                     build_prompt(tokenizer, length, depth, *random_trial(seed, length, depth, i, distance=distance), distance=distance) for i in range(trials)
                 ]
-            except EvalError:
-                if distance is None or distance <= 0:
-                    raise
+            except DistanceDoesNotFit:
                 continue  # this distance does not fit in this length: the cell stays empty
             tokens = np.stack([p.tokens[:-1] for p in prompts])
             predicted = batching.in_fixed_batches(predict, params, tokens, rows, mesh)
