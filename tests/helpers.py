@@ -78,6 +78,14 @@ def train_main(capsys, workdir, data, *overrides) -> tuple[int, str]:
     return rc, captured.out + captured.err
 
 
+def finished_tiny_run(workdir, data_dir, *settings):
+    """A tiny run trained to its end by ``launch.train`` (a module fixture's run, copied by each test that changes it)."""
+    from launch.train import main
+
+    assert main(["--workdir", str(workdir), "--no-progress", *TINY, *settings, f"data.path={data_dir}"]) == 0
+    return workdir
+
+
 def losses(workdir):
     return [(r["step"], r["loss"]) for r in read_metrics(workdir)]
 

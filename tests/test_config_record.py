@@ -11,7 +11,7 @@ import pytest
 from fibjax.run import load as run_load
 from fibjax.run.integrity import MODEL_FILE, SUMS_FILE, record_checksums
 from fibjax.run.workdir import CheckpointError
-from tests.helpers import TINY, assert_one_error, train_main
+from tests.helpers import assert_one_error, finished_tiny_run, train_main
 
 SETTINGS = ("steps=2", "checkpoint.every_steps=2", "eval.max_tokens=512")
 
@@ -19,11 +19,7 @@ SETTINGS = ("steps=2", "checkpoint.every_steps=2", "eval.max_tokens=512")
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, data_dir):
     """A finished tiny run (2 layers, 2 heads, 1 key-value head), copied by each test."""
-    from launch.train import main
-
-    workdir = tmp_path_factory.mktemp("record") / "run"
-    assert main(["--workdir", str(workdir), "--no-progress", *TINY, *SETTINGS, f"data.path={data_dir}"]) == 0
-    return workdir
+    return finished_tiny_run(tmp_path_factory.mktemp("record") / "run", data_dir, *SETTINGS)
 
 
 @pytest.fixture

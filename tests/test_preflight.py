@@ -16,7 +16,7 @@ from fibjax.run import load as run_load
 from fibjax.run.checkpoints import HELD_DIR, Checkpointer
 from fibjax.run.integrity import finished_steps
 from fibjax.run.workdir import CheckpointError
-from tests.helpers import ROOT, TINY, assert_one_error, flip_bytes, train_main
+from tests.helpers import ROOT, assert_one_error, finished_tiny_run, flip_bytes, train_main
 
 SETTINGS = ("steps=4", "checkpoint.every_steps=2", "eval.max_tokens=512")
 
@@ -24,11 +24,7 @@ SETTINGS = ("steps=4", "checkpoint.every_steps=2", "eval.max_tokens=512")
 @pytest.fixture(scope="module")
 def run_of_4(tmp_path_factory, data_dir):
     """A finished tiny run with checkpoints at steps 2 and 4, copied by each test that changes it."""
-    from launch.train import main
-
-    workdir = tmp_path_factory.mktemp("preflight") / "run"
-    assert main(["--workdir", str(workdir), "--no-progress", *TINY, *SETTINGS, f"data.path={data_dir}"]) == 0
-    return workdir
+    return finished_tiny_run(tmp_path_factory.mktemp("preflight") / "run", data_dir, *SETTINGS)
 
 
 @pytest.fixture
