@@ -33,6 +33,7 @@ from fibjax.config import ConfigError, TrainConfig, apply_overrides, find_config
 from fibjax.errors import FibjaxError
 from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
+from fibjax.eval.seed_table import SeedTable
 from fibjax.eval.token_curve import TokenCurve
 from fibjax.eval.trend import Trend
 from fibjax.run.curves import METRICS_FILE, curve_values
@@ -71,6 +72,8 @@ class Study:
     figures: tuple[FigureGroup, ...] = ()
     # runs followed against tokens seen, with differences between them (``fibjax.eval.token_curve``)
     token_curves: tuple[TokenCurve, ...] = ()
+    # runs and their evaluations side by side at several lengths, over seeds (``fibjax.eval.seed_table``)
+    seed_tables: tuple[SeedTable, ...] = ()
 
     def __post_init__(self):
         names = [r.name for r in self.runs]
@@ -81,6 +84,7 @@ class Study:
             ("trends", {n for t in self.trends for n in t.runs}),
             ("figures", {n for g in self.figures for n in g.runs}),
             ("token_curves", {n for c in self.token_curves for n in c.runs}),
+            ("seed_tables", {n for t in self.seed_tables for n in t.run_names()}),
         )
         for what, named in declared:
             unknown = sorted(named - set(names))
@@ -88,6 +92,14 @@ class Study:
                 raise ConfigError(f"study {self.name}: {what} name runs it does not have: {unknown}")
         if self.reference is not None and self.reference not in names:
             raise ConfigError(f"study {self.name}: reference {self.reference!r} is not one of its runs {names}")
+        by_name = {r.name: r for r in self.runs}
+        for table in self.seed_tables:
+            for row in table.rows:
+                for seed in table.row_seeds(row):
+                    run = by_name[row.run_name(seed)]
+                    if row.evaluation and row.evaluation not in run.extra_evals:
+                        where = f"study {self.name}: seed table {table.name}, row {row.label!r}"
+                        raise ConfigError(f"{where}: {run.name} has no extra evaluation {list(row.evaluation)}")
 
     def run_dir(self, run: StudyRun) -> Path:
         return Path(self.workdir) / run.name
@@ -515,6 +527,8 @@ def write_results(study: Study, say=print) -> Path | None:
         _write_trend(study, finished, statuses, dirs, out)
     for curve in study.token_curves:
         _write_token_curve(study, curve, statuses, dirs, out)
+    for table in study.seed_tables:
+        _write_seed_table(study, table, statuses, dirs, out)
     say(f"report: {out / 'report.md'} ({len(finished)} runs); summary: {path}")
     return path
 
@@ -624,5 +638,33 @@ def _write_token_curve(study: Study, curve: TokenCurve, statuses: dict[str, RunS
     section = f"\n## Against tokens seen: {curve.title}\n\n" + token_curve.markdown(curve, run_pts, diff_pts, states) + "\n"
     if (figure := token_curve.plot(curve, run_pts, diff_pts, out / f"token_curve_{curve.name}.png")) is not None:
         section += f"\n![against tokens seen]({figure.name})\n"
+    with (out / "report.md").open("a") as f:
+        f.write(section)
+
+
+def _write_seed_table(study: Study, table: SeedTable, statuses: dict[str, RunStatus], dirs: dict[str, Path], out: Path) -> None:
+    """seed_table_NAME.csv and the report's section on ``table``, from the finished runs it names."""
+    from fibjax.eval import seed_table
+
+    by_name = {r.name: r for r in study.runs}
+    nlls: dict = {}
+    for row in table.rows:
+        for seed in table.row_seeds(row):
+            name = row.run_name(seed)
+            if name not in dirs:
+                continue
+            steps = statuses[name].steps
+            if not row.evaluation:
+                nll = run_nlls(study, by_name[name], steps, dirs[name])
+            elif (path := _extra_eval_path(dirs[name], steps, row.evaluation)).exists():
+                nll = {ds: {int(r["length"]): float(r["nll"]) for r in rows} for ds, rows in json.loads(path.read_text())["datasets"].items()}
+            else:
+                continue
+            nlls.setdefault(row.label, {})[seed] = nll
+    if not nlls:
+        return
+    datasets = sorted({ds for by_seed in nlls.values() for nll in by_seed.values() for ds in nll})
+    seed_table.write_csv(table, nlls, datasets, out / f"seed_table_{table.name}.csv")
+    section = f"\n## {table.title}\n\n" + seed_table.markdown(table, nlls, datasets) + "\n"
     with (out / "report.md").open("a") as f:
         f.write(section)

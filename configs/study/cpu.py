@@ -12,6 +12,7 @@ models under a window, attention sinks and RoPE scaling, and shifted against sof
 
 from fibjax.eval.groups import FigureGroup
 from fibjax.eval.paired import Comparison
+from fibjax.eval.seed_table import SeedRow, SeedTable
 from fibjax.eval.token_curve import Difference, TokenCurve
 from fibjax.eval.trend import Trend
 from fibjax.study import Study, StudyRun
@@ -59,6 +60,16 @@ WINDOW16 = "configs/cpu/window_equal_w8.py"
 STATIC = "configs/study/fib_static099_w8.py"
 # A dense model retrofitted with Fibonacci stagger attention: 300 steps from dense seed 44
 RETROFIT = ("init_from=runs/study/cpu/dense_seed44", "steps=300", "optim.warmup_steps=30", "checkpoint.every_steps=100", "eval.every_steps=50", *CURVE)
+
+
+# RoPE scaling and the no-training attention kinds, each named for the baselines tables
+BASELINE_LABELS = ("window 256", "sinks 4 + window 252", "YaRN x4", "YaRN x16", "NTK x4", "NTK x16")
+
+
+def baselines_table(name: str, title: str, dense: str, trained: tuple[SeedRow, ...], seeds: tuple[int, ...]) -> SeedTable:
+    """The dense run ``dense`` plain and under every no-training baseline, then ``trained``, at 1x-16x."""
+    rows = (SeedRow("dense", dense), *(SeedRow(f"dense, {label}", dense, e) for label, e in zip(BASELINE_LABELS, BASELINES, strict=True)), *trained)
+    return SeedTable(name, title, rows, seeds, lengths=(256, 1024, 2048, 4096))
 
 
 def seeded(name: str, config: str, seed: int) -> StudyRun:
@@ -151,6 +162,33 @@ def get_study() -> Study:
                     Difference("stagger - dense", "fib_stagger_w8_32m_seed44", "dense_32m_seed44"),
                     Difference("fixed - dense", "fib_fixed_w8_32m_seed44", "dense_32m_seed44"),
                 ),
+            ),
+        ),
+        # issue 51: the no-training baselines beside the trained sparse models, over seeds 44-46,
+        # and at 32.8M tokens (seed 44)
+        seed_tables=(
+            baselines_table(
+                "baselines",
+                "Against what practitioners use: dense without training, beside trained sparse models (8.2M tokens)",
+                "dense_seed{seed}",
+                (
+                    SeedRow("window 16 (trained, equal cost)", "window_equal_w8_seed{seed}"),
+                    SeedRow("window 64 (trained)", "window_w64_seed44", seeds=(44,)),
+                    SeedRow("fixed W8", "fib_fixed_w8_seed{seed}"),
+                    SeedRow("stagger W8", "fib_stagger_w8_seed{seed}"),
+                    SeedRow("learned W8", "fib_learned_w8_seed{seed}"),
+                    SeedRow("static 0.99 W8", "fib_static099_w8_seed{seed}"),
+                    SeedRow("frozen 0.99 W8 (interpolated)", "fib_frozen099_w8_seed{seed}"),
+                    SeedRow("dense retrofitted with stagger W8", "dense_retrofit_stagger_w8", seeds=(44,)),
+                ),
+                SEEDS,
+            ),
+            baselines_table(
+                "baselines_32m",
+                "Against what practitioners use after 32.8M tokens (seed 44)",
+                "dense_32m_seed{seed}",
+                (SeedRow("fixed W8", "fib_fixed_w8_32m_seed{seed}"), SeedRow("stagger W8", "fib_stagger_w8_32m_seed{seed}")),
+                (44,),
             ),
         ),
         runs=(
