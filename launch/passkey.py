@@ -5,7 +5,8 @@
 Writes passkey.json / .csv / .md / .png to DIR (default RUN/eval/passkey-<step>[-<override>])
 and prints the Markdown table. ``--distances`` places the needle that many filler tokens before
 the question instead of at a depth (retrieval by distance: what a window of W keys cannot
-reach). ``--write-documents FILE.jsonl [--documents 6000]`` writes the synthetic pass-key
+reach). ``--compare DIR ... [--out FILE]`` prints earlier grids side by side, one row a model.
+``--write-documents FILE.jsonl [--documents 6000]`` writes the synthetic pass-key
 training corpus instead (for ``launch.prepare_data --source passkey=FILE.jsonl``). ``--attention`` evaluates the weights under another attention,
 as in ``launch.eval``. On a pod, run the same command on every host, as for ``launch.eval``: the
 prompts are split over every device of the job, and process 0 writes the outputs.
@@ -38,10 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", nargs="*", default=[], help="override the attention config: key=value ...")
     parser.add_argument("--write-documents", metavar="FILE", default=None, help="write the synthetic pass-key training corpus (JSON Lines) and exit")
     parser.add_argument("--documents", type=int, default=6000, help="documents for --write-documents")
+    parser.add_argument(
+        "--compare", nargs="+", metavar="DIR", default=None, help="print the grids of earlier runs' output folders (passkey.json) side by side, and exit"
+    )
     processes.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.write_documents:
         return write_documents(args.write_documents, args.documents, args.seed)
+    if args.compare:
+        return compare(args.compare, args.out)
     if not args.workdir:
         parser.error("--workdir is required (or --write-documents FILE)")
     processes.apply(parser, args)  # before anything initialises JAX
@@ -92,6 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     if distributed.is_main():  # one table per job, not per process
         print(passkey.format_markdown(result))
         print(f"written: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def compare(dirs: list[str], out: str | None) -> int:
+    """The grids of several output folders side by side (``--compare``), printed, and written to ``out`` if given."""
+    import json
+
+    from fibjax.errors import FibjaxError
+    from fibjax.eval import passkey
+
+    results = {}
+    for d in dirs:
+        path = Path(d) / "passkey.json" if Path(d).is_dir() else Path(d)
+        if not path.is_file():
+            print(f"error: --compare {d}: no passkey.json there (the folder launch.passkey --out wrote)", file=sys.stderr)
+            return 2
+        try:
+            results[path.parent.name] = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            print(f"error: --compare {path}: not readable JSON ({e})", file=sys.stderr)
+            return 2
+    try:
+        text = passkey.compare_markdown(results)
+    except FibjaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+        print(f"written: {out}")
     return 0
 
 

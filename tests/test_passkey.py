@@ -196,3 +196,30 @@ def test_training_documents_hold_one_needle_and_end_on_its_key(tmp_path):
     assert passkey_cli.main(["--write-documents", str(out), "--documents", "7"]) == 0
     assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == passkey.training_documents(7, seed=0)
     assert passkey_cli.main(["--write-documents", str(tmp_path / "missing" / "d.jsonl")]) == 2
+
+
+def test_compare_sets_models_side_by_side_and_refuses_grids_of_other_prompts(tok, tmp_path, capsys):
+    """Two models' distance grids (the oracle, and the oracle failing near the start) in one table per
+    length; a grid of another seed is refused by name; --compare from the command line."""
+    grid = dict(tokenizer=tok, lengths=[100, 257], depths=[], trials=4, seed=1, distances=[10, 150])
+    good = passkey.passkey_grid(None, None, predict_fn=retrieval_oracle(tok), **grid)
+    bad = passkey.passkey_grid(None, None, predict_fn=retrieval_oracle(tok, fail_below_depth=0.9), **grid)
+    md = passkey.compare_markdown({"oracle": good, "late": bad})
+    assert "At 257 tokens:" in md and "| model | 10 | 150 | mean |" in md
+    assert "| oracle | 100 / 100 | - | 100 / 100 |" in md  # at 100 tokens 150 filler tokens do not fit
+    (a10, a150), (t10, t150) = ([row[1] for row in bad[k]] for k in ("accuracy", "token_accuracy"))
+    assert a150 < 1.0  # the failing oracle fails somewhere, so the row below is not the good one's
+    cells = f"{100 * a10:.0f} / {100 * t10:.0f} | {100 * a150:.0f} / {100 * t150:.0f} | {50 * (a10 + a150):.0f} / {50 * (t10 + t150):.0f}"
+    assert f"| late | {cells} |" in md.split("At 257 tokens:")[1]
+    other = passkey.passkey_grid(None, None, predict_fn=retrieval_oracle(tok), **{**grid, "seed": 2})
+    with pytest.raises(EvalError, match="other and oracle were not drawn with the same prompts: they differ in seed"):
+        passkey.compare_markdown({"oracle": good, "other": other})
+    with pytest.raises(EvalError, match="nothing to compare"):
+        passkey.compare_markdown({})
+    for name, result in (("oracle", good), ("late", bad)):
+        passkey.write_passkey_outputs({**result, "title": name}, tmp_path / name)
+    out = tmp_path / "compare.md"
+    assert passkey_cli.main(["--compare", str(tmp_path / "oracle"), str(tmp_path / "late"), "--out", str(out)]) == 0
+    assert out.read_text().strip() == md.strip() and "| late |" in capsys.readouterr().out
+    assert passkey_cli.main(["--compare", str(tmp_path / "nowhere")]) == 2
+    assert "no passkey.json there" in capsys.readouterr().err

@@ -288,6 +288,46 @@ def format_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def compare_markdown(results: dict[str, dict]) -> str:
+    """Several models' grids side by side: a table per length, a row per model, a column per
+    depth or distance, each cell exact-match % / answer tokens right %.
+
+    Args:
+        results: label -> a ``passkey.json`` result; every one drawn with the same lengths, rows,
+            trials and seed (the same prompts), or the table would compare different tests.
+
+    Returns:
+        The Markdown tables, with a mean column.
+
+    Raises:
+        EvalError: no result, or results that were not drawn with the same prompts.
+    """
+    if not results:
+        raise EvalError("nothing to compare: give at least one passkey.json")
+    keys = ("lengths", "placed_by", "depths", "distances", "trials", "seed")
+    first_label, first = next(iter(results.items()))
+    for label, result in results.items():
+        differ = [k for k in keys if result.get(k) != first.get(k)]
+        if differ:
+            raise EvalError(f"{label} and {first_label} were not drawn with the same prompts: they differ in {', '.join(differ)}")
+    labels = row_labels(first)
+    unit = "distance (tokens)" if first.get("placed_by", "depth") == "distance" else "depth"
+    lines = [
+        f"Exact-match accuracy % / answer tokens right %, {first['trials']} trials per cell, seed {first['seed']}; "
+        f"columns: the needle's {unit}; '-': does not fit."
+    ]
+    for j, length in enumerate(first["lengths"]):
+        lines += ["", f"At {length:,} tokens:", "", "| model | " + " | ".join(labels) + " | mean |", "|---|" + "---:|" * (len(labels) + 1)]
+        for label, result in results.items():
+            exact = [row[j] for row in result["accuracy"]]
+            tokens = [row[j] for row in result["token_accuracy"]]
+            cells = ["-" if a is None else f"{100 * a:.0f} / {100 * t:.0f}" for a, t in zip(exact, tokens)]
+            fit = [(a, t) for a, t in zip(exact, tokens) if a is not None]
+            mean = f"{100 * np.mean([a for a, _ in fit]):.0f} / {100 * np.mean([t for _, t in fit]):.0f}" if fit else "-"
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {mean} |")
+    return "\n".join(lines)
+
+
 def write_csv(result: dict, path: Path) -> None:
     fields = ["length", "depth", "distance", "actual_depth", "actual_distance", "trials", "correct", "accuracy", "token_accuracy"]
     with open(path, "w", newline="") as f:
