@@ -41,11 +41,18 @@ def test_the_phases_add_up_to_the_whole_pass(path):
     and read back), which the whole fuses, and at these millisecond sizes a loaded 2-core machine
     has put the two sides 2.6x apart (XLA backward, 2.2 / 5.8 ms). It still catches the main
     stage (the attention: 40-100% of a pass) left out of the phases, or the phases timing
-    another, much larger program."""
+    another, much larger program. A machine busy with other work (a training beside the tests) has
+    put one round at 4.8x (selection 17 ms, spread 72 ms): a ratio out of bounds is measured once
+    more, with more rounds, before it fails; a phase really missing or mistimed fails both."""
     case = Case(seq_len=256, heads=4, kv_heads=2, head_dim=32, sparse_block=16, sparse_blocks=4, block_sizes=BlockSizes(64, 64))
+
+    def out_of_bounds(res):
+        return [p for p in ("fwd", "bwd") if not 0.25 < phases.sum_over_whole(res, path, p) < 4]
+
     res = phases.run(case, [path], repeats=3, rounds=3)
-    for pass_ in ("fwd", "bwd"):
-        assert 0.25 < phases.sum_over_whole(res, path, pass_) < 4, phases.table(case, res)
+    if out_of_bounds(res):
+        res = phases.run(case, [path], repeats=3, rounds=7)
+    assert not out_of_bounds(res), phases.table(case, res)
 
 
 def test_the_bench_prints_the_phases_beside_rates_and_the_reference(capsys):
