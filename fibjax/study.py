@@ -573,10 +573,22 @@ def paired_nlls(study: Study, runs: list[StudyRun], statuses: dict[str, RunStatu
 
 def run_nlls(study: Study, run: StudyRun, steps: int, run_dir: Path | None = None) -> dict[str, dict[int, float]]:
     """nll[dataset][length] of a run's plain evaluations (``_plain_evals``)."""
+    return eval_nlls(_plain_evals(study, run, steps, run_dir))
+
+
+def eval_nlls(paths: list[Path]) -> dict[str, dict[int, float]]:
+    """The NLLs of evaluation files, read together.
+
+    Args:
+        paths: ``launch.eval`` report files, the one whose figure wins first.
+
+    Returns:
+        nll[dataset][length]; where two files share a length, the first one's figure.
+    """
     nll: dict = {}
-    for path in _plain_evals(study, run, steps, run_dir):
+    for path in paths:
         for dataset, rows in json.loads(path.read_text())["datasets"].items():
-            for row in rows:  # the main evaluation's figure wins where two share a length
+            for row in rows:
                 nll.setdefault(dataset, {}).setdefault(int(row["length"]), float(row["nll"]))
     return nll
 
@@ -646,21 +658,17 @@ def _write_seed_table(study: Study, table: SeedTable, statuses: dict[str, RunSta
     """seed_table_NAME.csv and the report's section on ``table``, from the finished runs it names."""
     from fibjax.eval import seed_table
 
-    by_name = {r.name: r for r in study.runs}
     nlls: dict = {}
     for row in table.rows:
         for seed in table.row_seeds(row):
-            name = row.run_name(seed)
-            if name not in dirs:
+            status = statuses[row.run_name(seed)]
+            run_dir = dirs.get(status.run.name)
+            if run_dir is None:
                 continue
-            steps = statuses[name].steps
             if not row.evaluation:
-                nll = run_nlls(study, by_name[name], steps, dirs[name])
-            elif (path := _extra_eval_path(dirs[name], steps, row.evaluation)).exists():
-                nll = {ds: {int(r["length"]): float(r["nll"]) for r in rows} for ds, rows in json.loads(path.read_text())["datasets"].items()}
-            else:
-                continue
-            nlls.setdefault(row.label, {})[seed] = nll
+                nlls.setdefault(row.label, {})[seed] = run_nlls(study, status.run, status.steps, run_dir)
+            elif (path := _extra_eval_path(run_dir, status.steps, row.evaluation)).exists():
+                nlls.setdefault(row.label, {})[seed] = eval_nlls([path])
     if not nlls:
         return
     datasets = sorted({ds for by_seed in nlls.values() for nll in by_seed.values() for ds in nll})

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         return compare(args.compare, args.out)
     if not args.workdir:
-        parser.error("--workdir is required (or --write-documents FILE)")
+        parser.error("--workdir is required (or --write-documents FILE, or --compare DIR ...)")
     processes.apply(parser, args)  # before anything initialises JAX
 
     from fibjax import distributed
@@ -113,6 +113,9 @@ def compare(dirs: list[str], out: str | None) -> int:
         path = Path(d) / "passkey.json" if Path(d).is_dir() else Path(d)
         if not path.is_file():
             print(f"error: --compare {d}: no passkey.json there (the folder launch.passkey --out wrote)", file=sys.stderr)
+            return 2
+        if path.parent.name in results:  # the folder's name labels its row: two alike would be one row
+            print(f"error: --compare: two folders named {path.parent.name!r}; give folders with distinct names", file=sys.stderr)
             return 2
         try:
             results[path.parent.name] = json.loads(path.read_text())

@@ -223,3 +223,6 @@ def test_compare_sets_models_side_by_side_and_refuses_grids_of_other_prompts(tok
     assert out.read_text().strip() == md.strip() and "| late |" in capsys.readouterr().out
     assert passkey_cli.main(["--compare", str(tmp_path / "nowhere")]) == 2
     assert "no passkey.json there" in capsys.readouterr().err
+    passkey.write_passkey_outputs({**bad, "title": "late"}, tmp_path / "again" / "late")
+    assert passkey_cli.main(["--compare", str(tmp_path / "late"), str(tmp_path / "again" / "late")]) == 2
+    assert "two folders named 'late'" in capsys.readouterr().err
