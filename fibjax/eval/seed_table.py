@@ -47,6 +47,17 @@ class SeedRow:
     def run_name(self, seed: int) -> str:
         return self.run.replace("{seed}", str(seed))
 
+    def seeds_or(self, default: tuple[int, ...]) -> tuple[int, ...]:
+        """The seeds the row is read at.
+
+        Args:
+            default: the table's seeds, or the seeds its means are taken over.
+
+        Returns:
+            The row's own seeds, or else ``default``.
+        """
+        return self.seeds or default
+
 
 @dataclass(frozen=True)
 class SeedTable:
@@ -77,7 +88,7 @@ class SeedTable:
         Returns:
             The row's own seeds, or else the table's.
         """
-        return row.seeds or self.seeds
+        return row.seeds_or(self.seeds)
 
     def run_names(self) -> set[str]:
         """Every run the table reads.
@@ -102,10 +113,6 @@ def common_seeds(table: SeedTable, nlls: RowNLLs) -> tuple[int, ...]:
     present = [set(nlls.get(r.label, {})) for r in table.rows if not r.seeds]
     present = [p for p in present if p]
     return tuple(s for s in table.seeds if all(s in p for p in present)) if present else ()
-
-
-def _seeds_of(table: SeedTable, row: SeedRow, common: tuple[int, ...]) -> tuple[int, ...]:
-    return row.seeds or common
 
 
 def mean_ppl(by_seed: Mapping[int, Mapping[str, Mapping[int, float]]], seeds: Sequence[int], dataset: str, length: int) -> float | None:
@@ -149,7 +156,7 @@ def markdown(table: SeedTable, nlls: RowNLLs, datasets: Sequence[str]) -> str:
     ]
     for row in table.rows:
         by_seed = nlls.get(row.label, {})
-        row_seeds = _seeds_of(table, row, seeds)
+        row_seeds = row.seeds_or(seeds)
         cells = []
         for dataset in datasets:
             ppls = [mean_ppl(by_seed, row_seeds, dataset, n) for n in table.lengths]
@@ -182,7 +189,7 @@ def write_csv(table: SeedTable, nlls: RowNLLs, datasets: Sequence[str], path: Pa
                     for n in table.lengths:
                         if (v := by_seed[seed].get(dataset, {}).get(n)) is not None:
                             writer.writerow([row.label, row.run_name(seed), seed, dataset, n, f"{v:.6f}", f"{math.exp(v):.4f}"])
-            row_seeds = _seeds_of(table, row, seeds)
+            row_seeds = row.seeds_or(seeds)
             for dataset in datasets:
                 for n in table.lengths:
                     if (p := mean_ppl(by_seed, row_seeds, dataset, n)) is not None:
