@@ -322,11 +322,7 @@ class Checkpointer:
             DamagedCheckpoint: The step's files changed, cannot be read, or are not finite.
             CheckpointError: The step was saved with another model, or does not exist.
         """
-        self.check_files(step)
-        self.check_model(step)
-        renames = saved_renames(self.directory / str(step) / "state")
-        target = rename_keys(abstract_state, {new: old for old, new in renames.items()})  # asked for by the saved names
-        self._check_whole(step, target)
+        renames, target = self._checked_target(step, abstract_state, lambda saved: saved)
         items = {"state": ocp.args.StandardRestore(target)}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -352,11 +348,7 @@ class Checkpointer:
             DamagedCheckpoint: The step's files changed, cannot be read, or are not finite.
             CheckpointError: The step was saved with another model, or does not exist.
         """
-        self.check_files(step)
-        self.check_model(step)
-        renames = saved_renames(self.directory / str(step) / "state")
-        target = {"params": rename_keys(abstract_params, {new: old for old, new in renames.items()})}
-        self._check_whole(step, target)
+        renames, target = self._checked_target(step, abstract_params, lambda saved: {"params": saved})
         restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
         try:
             restored = self.manager.restore(
@@ -366,6 +358,17 @@ class Checkpointer:
             raise self._unreadable(step, e) from None
         self._check_finite(step, restored["state"]["params"])
         return rename_keys(restored["state"]["params"], renames)
+
+    def _checked_target(self, step: int, abstract, wrap) -> tuple[dict, dict]:
+        """Check ``step``'s files and model, then the tree to ask Orbax for: ``abstract`` under the
+        names it was saved with, ``wrap``ped to the saved item's layout, checked to be whole.
+        Returns (renames, target); ``rename_keys(restored, renames)`` maps the result back."""
+        self.check_files(step)
+        self.check_model(step)
+        renames = saved_renames(self.directory / str(step) / "state")
+        target = wrap(rename_keys(abstract, {new: old for old, new in renames.items()}))  # asked for by the saved names
+        self._check_whole(step, target)
+        return renames, target
 
     def check_files(self, step: int) -> None:  # noqa: DOC503
         """Raise DamagedCheckpoint unless ``step`` is finished and its files match their checksums.
