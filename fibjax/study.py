@@ -661,10 +661,10 @@ def _write_seed_table(study: Study, table: SeedTable, statuses: dict[str, RunSta
     nlls: dict = {}
     for row in table.rows:
         for seed in table.row_seeds(row):
-            status = statuses[row.run_name(seed)]
-            run_dir = dirs.get(status.run.name)
-            if run_dir is None:
+            name = row.run_name(seed)
+            if (run_dir := dirs.get(name)) is None:
                 continue
+            status = statuses[name]
             if not row.evaluation:
                 nlls.setdefault(row.label, {})[seed] = run_nlls(study, status.run, status.steps, run_dir)
             elif (path := _extra_eval_path(run_dir, status.steps, row.evaluation)).exists():
